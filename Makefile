@@ -1,0 +1,29 @@
+# `make demo` and `make test` each set up .venv on a fresh machine, then run.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: demo test bench install clean
+
+$(PY):
+	python3 -m venv .venv
+
+$(STAMP): $(PY) setup.py
+	# Pinned CPU torch first (a bare `torch` would pull a multi-GB CUDA build).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m mode.cli compare configs/experiments/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_mod.py
+	$(PY) benchmarks/bench_moe.py
+
+clean:
+	rm -rf .venv runs

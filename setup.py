@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mode",
+    version="0.1.0",
+    description="Mixture-of-Depths-and-Experts language models on DeepSpeed",
+    packages=find_packages(include=["mode", "mode.*", "analysis", "analysis.*", "launch", "launch.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned by the Makefile (CPU build); a range here never pulls a CUDA build.
+        "torch>=2.4",
+        "deepspeed>=0.19,<0.20",
+        "datasets>=2.19",
+        "tensorboard>=2.15",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout"],
+        # GPU nodes only: MegaBlocks pins its own torch and needs CUDA extensions.
+        "megablocks": ["megablocks>=0.10", "grouped_gemm"],
+    },
+    entry_points={"console_scripts": ["mode=mode.cli:main"]},
+)
