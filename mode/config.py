@@ -1,0 +1,517 @@
+"""Typed configuration: nested dataclasses are the schema; YAML and `a.b.c=value` overrides fill them.
+
+Every field carries a docstring (the string literal right after it) that the README's config
+reference is generated from (`python -m mode.config --markdown`). Validation raises
+`ConfigError`, whose message is one line: `config error: <key>=<value>: <what is allowed>`.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is the whole user-facing line."""
+
+    def __init__(self, key: str, value: Any = None, allowed: str = "", msg: str | None = None):
+        self.key = key
+        text = msg if msg is not None else f"{key}={value!r}: {allowed}"
+        super().__init__(f"config error: {text}")
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+LayerSpec = Union[str, List[int]]
+LAYER_SPECS = ("none", "every", "every_other")
+
+
+def resolve_layers(spec: LayerSpec, n_layers: int) -> List[int]:
+    """`none` | `every` | `every_other` (odd layers: the first block stays dense) | explicit indices."""
+    if isinstance(spec, list):
+        return sorted(set(spec))
+    return {"none": [], "every": list(range(n_layers)), "every_other": list(range(1, n_layers, 2))}[spec]
+
+
+def _check_layers(spec: LayerSpec, key: str, n_layers: int) -> None:
+    if isinstance(spec, str):
+        _check(spec in LAYER_SPECS, key, spec, f"one of {', '.join(LAYER_SPECS)} or a list of layer indices")
+    else:
+        _check(all(0 <= i < n_layers for i in spec), key, spec, f"layer indices in [0, {n_layers})")
+
+
+@dataclass
+class ModConfig:
+    layers: LayerSpec = "none"
+    """Blocks wrapped in depth routing: `none`, `every`, `every_other` (layers 1, 3, ...), or a list of layer indices."""
+    capacity: float = 0.125
+    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)); in (0, 1]."""
+    gate: str = "identity"
+    """g(r) multiplying the block's update of selected tokens: `identity` (paper: x + r * f(x)) or `sigmoid`."""
+    routing: str = "learned"
+    """`learned` top-k on router scores, or `stochastic` (random top-k: the paper's control)."""
+    causal: str = "predictor"
+    """Causal routing for sampling: `aux_loss` (BCE on router logits), `predictor` (stop-gradient MLP), `both`, or `none`."""
+    aux_loss_weight: float = 0.01
+    """Weight of the router BCE loss (used when causal is aux_loss or both)."""
+    predictor_loss_weight: float = 1.0
+    """Weight of the predictor BCE loss; it only trains the predictor (its input is detached)."""
+    predictor_hidden: int = 0
+    """Predictor MLP hidden width; 0 means d_model // 2."""
+
+    def validate(self, n_layers: int) -> None:
+        _check_layers(self.layers, "model.mod.layers", n_layers)
+        _check(0.0 < self.capacity <= 1.0, "model.mod.capacity", self.capacity, "a fraction in (0, 1]")
+        _check(self.gate in ("identity", "sigmoid"), "model.mod.gate", self.gate, "identity or sigmoid")
+        _check(self.routing in ("learned", "stochastic"), "model.mod.routing", self.routing, "learned or stochastic")
+        _check(self.causal in ("aux_loss", "predictor", "both", "none"), "model.mod.causal", self.causal,
+               "aux_loss, predictor, both or none")
+        _check(self.aux_loss_weight >= 0, "model.mod.aux_loss_weight", self.aux_loss_weight, ">= 0")
+        _check(self.predictor_loss_weight >= 0, "model.mod.predictor_loss_weight", self.predictor_loss_weight, ">= 0")
+        _check(self.predictor_hidden >= 0, "model.mod.predictor_hidden", self.predictor_hidden, ">= 0")
+
+
+@dataclass
+class MoEConfig:
+    layers: LayerSpec = "none"
+    """Blocks whose MLP is a mixture of experts: `none`, `every`, `every_other` (layers 1, 3, ...), or a list."""
+    num_experts: int = 8
+    """E, the number of real (parameterised) experts."""
+    num_noop_experts: int = 0
+    """N parameter-free no-op experts (integrated MoDE): a route to one gives the token no MLP update."""
+    top_k: int = 1
+    """Experts per token (token-choice)."""
+    d_expert: int = 0
+    """Hidden width of each expert MLP; 0 means model.d_ff."""
+    capacity_factor: Optional[float] = 1.0
+    """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens; null = dropless."""
+    eval_capacity_factor: Optional[float] = None
+    """Capacity factor in eval mode; null = same as capacity_factor."""
+    min_capacity: int = 0
+    """Lower bound on the per-expert capacity (DeepSpeed's min_capacity)."""
+    drop_policy: str = "position"
+    """Which overflow routes are dropped: `position` (top-1 choices first, then earlier tokens) or `probability`."""
+    normalize_weights: bool = True
+    """Renormalise the top-k probabilities to sum to 1 (top_k > 1); the no-op routes count in the sum."""
+    jitter: float = 0.0
+    """Multiplicative input jitter epsilon on the router input during training (Switch); 0 = off."""
+    lb_loss_weight: float = 0.01
+    """Load-balancing loss weight: E * sum_e f_e * P_e over real experts."""
+    z_loss_weight: float = 0.0
+    """Router z-loss weight: mean(logsumexp(logits)^2)."""
+    backend: str = "native"
+    """Expert implementation: `native` (PyTorch, reference), `deepspeed` (deepspeed.moe, expert parallel), `megablocks` (CUDA)."""
+    ep_size: int = 1
+    """Expert-parallel size (deepspeed backend): divides the world size and num_experts."""
+
+    def validate(self, n_layers: int) -> None:
+        k = "model.moe."
+        _check_layers(self.layers, k + "layers", n_layers)
+        _check(self.num_experts >= 1, k + "num_experts", self.num_experts, ">= 1")
+        _check(self.num_noop_experts >= 0, k + "num_noop_experts", self.num_noop_experts, ">= 0")
+        _check(1 <= self.top_k <= self.num_experts + self.num_noop_experts, k + "top_k", self.top_k,
+               f"1 <= top_k <= num_experts + num_noop_experts = {self.num_experts + self.num_noop_experts}")
+        _check(self.d_expert >= 0, k + "d_expert", self.d_expert, ">= 0")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            v = getattr(self, name)
+            _check(v is None or v > 0, k + name, v, "null (dropless) or > 0")
+        _check(self.min_capacity >= 0, k + "min_capacity", self.min_capacity, ">= 0")
+        _check(self.drop_policy in ("position", "probability"), k + "drop_policy", self.drop_policy,
+               "position or probability")
+        _check(self.jitter >= 0, k + "jitter", self.jitter, ">= 0")
+        _check(self.lb_loss_weight >= 0, k + "lb_loss_weight", self.lb_loss_weight, ">= 0")
+        _check(self.z_loss_weight >= 0, k + "z_loss_weight", self.z_loss_weight, ">= 0")
+        _check(self.backend in ("native", "deepspeed", "megablocks"), k + "backend", self.backend,
+               "native, deepspeed or megablocks")
+        _check(self.ep_size >= 1 and self.num_experts % self.ep_size == 0, k + "ep_size", self.ep_size,
+               f"a divisor of num_experts={self.num_experts}")
+        if self.backend != "deepspeed":
+            _check(self.ep_size == 1, k + "ep_size", self.ep_size, "1 unless backend is deepspeed")
+        if self.backend == "deepspeed":
+            _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
+                   "0 with backend deepspeed (DeepSpeed's gate has no no-op experts; use backend native)")
+            _check(self.z_loss_weight == 0, k + "z_loss_weight", self.z_loss_weight,
+                   "0 with backend deepspeed (its gate computes no z-loss)")
+            _check(self.drop_policy == "position", k + "drop_policy", self.drop_policy,
+                   "position with backend deepspeed")
+        if self.backend == "megablocks":
+            _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
+                   "0 with backend megablocks (use backend native for no-op experts)")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 320
+    """Embedding rows; >= the tokenizer's vocabulary (byte tokenizer: 257). Rounded sizes are faster."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_layers: int = 4
+    """Number of blocks."""
+    n_heads: int = 4
+    """Attention heads; divides d_model."""
+    d_ff: int = 512
+    """Hidden width of the dense MLP."""
+    mlp: str = "swiglu"
+    """MLP kind: `swiglu` or `gelu`."""
+    max_seq_len: int = 2048
+    """Largest position the rotary table covers (training sequence length and generation length)."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head."""
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections are scaled by 1/sqrt(2 * n_layers)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    mod: ModConfig = field(default_factory=ModConfig)
+    """Mixture-of-Depths routing."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts MLPs."""
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            _check(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), ">= 1")
+        _check(self.d_model % self.n_heads == 0 and (self.d_model // self.n_heads) % 2 == 0, "model.n_heads",
+               self.n_heads, f"a divisor of d_model={self.d_model} leaving an even head size")
+        _check(self.mlp in ("swiglu", "gelu"), "model.mlp", self.mlp, "swiglu or gelu")
+        _check(self.init_std > 0, "model.init_std", self.init_std, "> 0")
+        self.mod.validate(self.n_layers)
+        self.moe.validate(self.n_layers)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the running interpreter's standard-library sources: always on disk), a local file/dir/glob, or a hub dataset name."""
+    format: str = "auto"
+    """Local file format: `auto` (from the extension), `text`, `json` (also jsonl) or `parquet`."""
+    text_key: str = "text"
+    """Column holding the document text (json/parquet/hub)."""
+    hub_split: str = "train"
+    """Split to read from a hub dataset."""
+    tokenizer: str = "byte"
+    """`byte` (UTF-8 bytes + EOS, no download) or a local directory with a Hugging Face tokenizer."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation (deterministic split)."""
+    max_documents: int = 0
+    """Use at most this many documents (0 = all); keeps CPU runs small."""
+    split_seed: int = 1234
+    """Seed of the train/validation split and of the sampling order (same across variants)."""
+
+    def validate(self) -> None:
+        _check(self.format in ("auto", "text", "json", "parquet"), "data.format", self.format,
+               "auto, text, json or parquet")
+        _check(self.seq_len >= 2, "data.seq_len", self.seq_len, ">= 2")
+        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "in (0, 1)")
+        _check(self.max_documents >= 0, "data.max_documents", self.max_documents, ">= 0")
+        src = self.source
+        looks_local = src.startswith((".", "/", "~")) or os.sep in src and not _is_hub_name(src) or Path(src).suffix
+        if src != "stdlib" and looks_local:
+            import glob
+            _check(bool(glob.glob(os.path.expanduser(src))), "data.source", src, "an existing file, directory or glob")
+        if self.tokenizer != "byte":
+            _check(Path(self.tokenizer).is_dir(), "data.tokenizer", self.tokenizer,
+                   "`byte` or an existing local directory holding a Hugging Face tokenizer")
+
+
+def _is_hub_name(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and not Path(s).exists() and all(p and not p.startswith(".") for p in parts)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    """Optimizer steps to train for."""
+    seed: int = 0
+    """Seed of model init and all training randomness (each rank adds its rank)."""
+    micro_batch_size: int = 8
+    """Sequences per rank per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step; global batch = micro_batch_size * grad_accum * world_size."""
+    eval_every: int = 50
+    """Evaluate every N steps (and at the end); 0 = only at the end."""
+    eval_batches: int = 4
+    """Micro-batches per evaluation."""
+    log_every: int = 10
+    """Read metrics from the device, reduce across ranks and write TensorBoard every N steps."""
+    nonfinite: str = "skip"
+    """On a non-finite loss or gradient: `skip` the step (counted in train/skipped_steps) or `stop`."""
+    max_consecutive_nonfinite: int = 5
+    """With `skip`: stop after this many non-finite steps in a row."""
+
+    def validate(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
+                     "max_consecutive_nonfinite"):
+            _check(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), ">= 1")
+        _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
+        _check(self.nonfinite in ("skip", "stop"), "train.nonfinite", self.nonfinite, "skip or stop")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at max_steps."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms, biases, embeddings or routers)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping (0 = off)."""
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "in [0, 1)")
+        _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save every N steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+    """Complete checkpoints kept (older ones deleted)."""
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, ">= 1")
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+    routing_dump: bool = False
+    """At the end, write per-token routing decisions of one eval batch to run.dir/routing.pt."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    """ZeRO stage 0, 1 or 2 (3 is refused: DeepSpeed MoE does not support it)."""
+    precision: str = "fp32"
+    """`fp32` or `bf16` (bf16 is for GPUs: ~9x slower than fp32 on CPUs without bf16 units)."""
+
+    def validate(self) -> None:
+        _check(self.zero_stage in (0, 1, 2), "deepspeed.zero_stage", self.zero_stage,
+               "0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
+        _check(self.precision in ("fp32", "bf16"), "deepspeed.precision", self.precision, "fp32 or bf16")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: holds tb/ (TensorBoard), checkpoints/ and config.yaml; an existing one is resumed."""
+    fresh: bool = False
+    """Delete an existing run directory instead of resuming it."""
+    name: str = ""
+    """Variant name (set by `mode compare`); shown in reports."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer, packing."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop, batch, evaluation."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the warmup + cosine schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Progress and dumps."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """Engine options."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run lives."""
+
+    def validate(self, world_size: int | None = None) -> "Config":
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if hasattr(sub, "validate"):
+                sub.validate()
+        _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
+               f"<= model.max_seq_len={self.model.max_seq_len}")
+        moe = self.model.moe
+        if world_size is not None and moe.backend == "deepspeed":
+            _check(world_size % moe.ep_size == 0, "model.moe.ep_size", moe.ep_size,
+                   f"a divisor of the world size {world_size}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: YAML with `base:` inheritance, dotted overrides, strict typed conversion.
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Read a YAML config, resolving `base: other.yaml` (relative to the file) recursively."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "an existing YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("--config", msg=f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", msg=f"{path}: the top level must be a mapping")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    bases = base if isinstance(base, list) else [base]
+    merged: dict = {}
+    for b in bases:
+        merged = _deep_merge(merged, read_yaml(path.parent / b))
+    return _deep_merge(merged, raw)
+
+
+def apply_overrides(d: dict, overrides: List[str]) -> dict:
+    d = dict(d)
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(ov, msg=f"override {ov!r}: expected dotted.key=value")
+        key, val = ov.split("=", 1)
+        node = d
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node[p] = dict(node.get(p) or {}) if isinstance(node.get(p, {}), dict) else node[p]
+            node = node[p]
+        node[parts[-1]] = yaml.safe_load(val) if val != "" else ""
+    return d
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, allowing int -> float; raise ConfigError otherwise."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError:
+                pass
+        raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
+    if origin in (list, List):
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(key, value, f"a list of {_type_name(item)}")
+        return [_convert(v, item, key) for v in value]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "a mapping")
+        return _build(tp, value, key + ".")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
+    return value
+
+
+def _build(cls: type, d: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in d.items():
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(prefix + k, msg=f"unknown key {prefix}{k}{hint}; allowed: {', '.join(names)}")
+        kwargs[k] = _convert(v, hints[k], prefix + k)
+    return cls(**kwargs)
+
+
+def config_from_dict(d: dict, world_size: int | None = None) -> Config:
+    return _build(Config, d).validate(world_size)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: List[str] | None = None,
+                world_size: int | None = None) -> Config:
+    """Resolve YAML (with `base:`) + `a.b=v` overrides into a validated Config."""
+    d = read_yaml(path) if path else {}
+    return config_from_dict(apply_overrides(d, list(overrides or [])), world_size)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Field docstrings -> README reference.
+
+
+def field_docs(cls: type) -> dict:
+    """Map field name -> the string literal that follows it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    return docs
+
+
+def markdown_reference(cls: type = Config, prefix: str = "") -> str:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n**`{prefix}{f.name}`** — {docs.get(f.name, '')}\n")
+            lines.append("| key | default | meaning |\n| --- | --- | --- |")
+            lines.append(markdown_reference(tp, f"{prefix}{f.name}."))
+        else:
+            lines.append(f"| `{prefix}{f.name}` | `{getattr(default, f.name)!r}` | {docs.get(f.name, '')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(markdown_reference())

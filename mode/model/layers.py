@@ -1,0 +1,132 @@
+"""Transformer layers that know where their tokens sit.
+
+Shape legend: B batch, S sequence (or the k gathered tokens of a routed block), D d_model,
+H heads, Dh head dim, F MLP hidden, L cache length.
+
+Attention takes explicit position ids `pos_BS` so that a Mixture-of-Depths block can run on a
+gathered subset of tokens and still give each its *original* rotary position, and an optional
+`valid_BS` key mask for ragged subsets (causal routing selects a different number per row).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose too much precision.
+        x = x_BSD.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(x_BSD.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding indexed by explicit positions (a table lookup, not arange)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang_LR = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None]
+        # Not saved in checkpoints: derived from the config.
+        self.register_buffer("cos_LR", ang_LR.cos().float(), persistent=False)
+        self.register_buffer("sin_LR", ang_LR.sin().float(), persistent=False)
+
+    def forward(self, x_BHSE: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        cos = self.cos_LR[pos_BS][:, None].to(x_BHSE.dtype)  # B 1 S R
+        sin = self.sin_LR[pos_BS][:, None].to(x_BHSE.dtype)
+        x1, x2 = x_BHSE[..., 0::2], x_BHSE[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out.flatten(-2)
+
+
+class KVCache:
+    """Per-layer key/value cache with a length per batch row.
+
+    A routed layer appends only the tokens it processed, so rows fill at different rates;
+    `write_B` (set by the routing wrapper before the call) says which rows append this step.
+    """
+
+    def __init__(self, batch: int, n_heads: int, max_len: int, head_dim: int, dtype, device):
+        self.k_BHLE = torch.zeros(batch, n_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v_BHLE = torch.zeros_like(self.k_BHLE)
+        self.len_B = torch.zeros(batch, dtype=torch.long, device=device)
+        self.write_B: torch.Tensor | None = None
+
+    def append(self, k_BH1E: torch.Tensor, v_BH1E: torch.Tensor) -> torch.Tensor:
+        """Write one step's keys/values for rows in write_B; return the key mask [B, L]."""
+        B, L = self.k_BHLE.shape[0], self.k_BHLE.shape[2]
+        write_B = self.write_B if self.write_B is not None else torch.ones(B, dtype=torch.bool, device=self.len_B.device)
+        if bool((self.len_B + write_B.long() > L).any()):
+            raise RuntimeError(f"KV cache full: max_len={L}")
+        slot_B = self.len_B.clamp(max=L - 1)
+        rows = torch.arange(B, device=slot_B.device)
+        w = write_B[:, None, None]
+        self.k_BHLE[rows, :, slot_B] = torch.where(w, k_BH1E[:, :, 0], self.k_BHLE[rows, :, slot_B])
+        self.v_BHLE[rows, :, slot_B] = torch.where(w, v_BH1E[:, :, 0], self.v_BHLE[rows, :, slot_B])
+        self.len_B = self.len_B + write_B.long()
+        # Rows that did not write still need one visible key so softmax stays finite; their
+        # output is discarded by the routing wrapper.
+        return torch.arange(L, device=slot_B.device)[None] < self.len_B.clamp(min=1)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, max_seq_len: int, rope_theta: float):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.rotary = Rotary(self.head_dim, max_seq_len, rope_theta)
+
+    def forward(self, x_BSD, pos_BS, valid_BS=None, cache: KVCache | None = None):
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.rotary(q, pos_BS), self.rotary(k, pos_BS)  # B H S E
+        if cache is not None:
+            assert S == 1, "cached decoding feeds one token per step"
+            keymask_BL = cache.append(k, v)
+            y = F.scaled_dot_product_attention(q, cache.k_BHLE, cache.v_BHLE, attn_mask=keymask_BL[:, None, None])
+        elif valid_BS is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # Ragged subsets: causal among the gathered tokens and only valid keys; the diagonal
+            # stays visible so padded queries never see an all-masked row (they are discarded).
+            causal_SS = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()
+            mask_BSS = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x_BSD.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BSS[:, None])
+        return self.out(y.transpose(1, 2).reshape(B, S, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, kind: str = "swiglu"):
+        super().__init__()
+        self.kind = kind
+        self.w_in = nn.Linear(d_model, (2 if kind == "swiglu" else 1) * d_ff, bias=False)
+        self.w_out = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, valid_BS=None) -> torch.Tensor:
+        h = self.w_in(x_BSD)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.w_out(h)
+
+
+def init_weights(model: nn.Module, std: float, n_layers: int) -> None:
+    """Normal(0, std) for matrices; output projections of residual branches scaled by 1/sqrt(2L)."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            s = std / math.sqrt(2 * n_layers) if name.endswith(("out.weight", "w_out.weight", "w_out")) else std
+            nn.init.normal_(p, mean=0.0, std=s)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
