@@ -17,7 +17,7 @@ from mode.config import ModConfig
 
 
 def capacity_k(capacity: float, seq_len: int) -> int:
-    return max(1, round(capacity * seq_len))
+    return max(1, min(seq_len, round(capacity * seq_len)))
 
 
 def topk_sorted(scores_BS: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,33 +36,38 @@ class DepthRouter(nn.Module):
             self.predictor = nn.Sequential(nn.Linear(d_model, h), nn.SiLU(), nn.Linear(h, 1))
 
     def scores(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        # fp32 even under bf16: near-ties in r decide top-k membership and r scales the update.
         w = self.router
         return F.linear(x_BSD.float(), w.weight.float(), w.bias.float()).squeeze(-1)
 
     def causal_logits(self, x_BSD: torch.Tensor, r_BS: torch.Tensor) -> torch.Tensor:
         """Per-token logit of 'selected' that depends on this token alone (> 0 means process it)."""
         if self.predictor is None:
-            return r_BS
+            return r_BS  # sigmoid(r) > 0.5  <=>  r > 0
+        # Stop-gradient: the predictor learns from the residual stream but never shapes it.
         return self.predictor(x_BSD.detach()).squeeze(-1).float()
 
     def losses(self, x_BSD, r_BS, member_BS):
         """Weighted aux loss and metrics against top-k membership `member_BS` (0/1 float)."""
         cfg = self.cfg
         aux = r_BS.new_zeros(())
-        bce_r = F.binary_cross_entropy_with_logits(r_BS, member_BS)
-        if cfg.causal in ("aux_loss", "both"):
+        train_r = cfg.causal in ("aux_loss", "both")
+        # Without the aux loss the router BCE is only a metric: keep it off the autograd graph.
+        bce_r = F.binary_cross_entropy_with_logits(r_BS if train_r else r_BS.detach(), member_BS)
+        if train_r:
             aux = aux + cfg.aux_loss_weight * bce_r
-        m = {"router_mean": r_BS.detach().mean(), "router_std": r_BS.detach().std(),
-             "router_bce": bce_r.detach(),
-             "router_causal_acc": ((r_BS.detach() > 0).float() == member_BS).float().mean()}
+        r = r_BS.detach()
+        m = {"router_mean": r.mean(), "router_std": r.std(correction=0), "router_bce": bce_r.detach(),
+             "router_causal_acc": ((r > 0) == member_BS.bool()).float().mean()}
+        decide_BS = r
         if self.predictor is not None:
             p_BS = self.causal_logits(x_BSD, r_BS)
             bce_p = F.binary_cross_entropy_with_logits(p_BS, member_BS)
             aux = aux + cfg.predictor_loss_weight * bce_p
+            decide_BS = p_BS.detach()
             m["predictor_loss"] = bce_p.detach()
-            m["predictor_acc"] = ((p_BS.detach() > 0).float() == member_BS).float().mean()
-            m["causal_processed_frac"] = (p_BS.detach() > 0).float().mean()
-        else:
-            m["causal_processed_frac"] = (r_BS.detach() > 0).float().mean()
+            m["predictor_acc"] = ((decide_BS > 0) == member_BS.bool()).float().mean()
+        # Fraction of tokens a causal pass would process here (vs the capacity top-k processes).
+        m["causal_processed_frac"] = (decide_BS > 0).float().mean()
         m["aux_loss"] = aux.detach()
         return aux, m

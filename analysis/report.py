@@ -1,0 +1,485 @@
+"""`mode analyze RUNS_DIR [--out DIR]`: a comparison report (report.md + PNG figures) of many runs.
+
+Per variant, mean ± sample std over seeds of what a paper table needs, loss curves against
+steps, training compute and wall-clock, and per-layer routing statistics. How each number is
+reduced from its logged series is fixed here and stated in the report (`METRICS`), so the
+table can be traced back to TensorBoard:
+
+- eval losses: the value at the last evaluated step;
+- throughput and step time: the median over logged points, leaving out the first one
+  (it includes start-up and compilation);
+- routing fractions (dropped tokens, no-op, predictor accuracy): the last logged value of
+  each routed layer, averaged over layers.
+
+Training FLOPs = 3 x forward FLOPs per token x tokens seen (backward ~ 2x forward).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from analysis.tb import Run, group_by_variant, load_runs
+
+TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-run reductions.
+
+
+def median_after_warmup(run: Run, tag: str) -> float | None:
+    _, v = run.series(tag)
+    if v.size == 0:
+        return None
+    return float(np.median(v[1:] if v.size > 1 else v))
+
+
+def layer_mean_of_last(run: Run, prefix: str, name: str) -> float | None:
+    """Mean over routed layers of the last logged `<prefix>/layerN/<name>`."""
+    vals = [run.last(f"{prefix}/layer{i}/{name}") for i, names in run.layer_tags(prefix).items() if name in names]
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def causal_gap(run: Run) -> float | None:
+    a, b = run.last("eval/loss_causal"), run.last("eval/loss")
+    return None if a is None or b is None else a - b
+
+
+def forward_flops_per_token(run: Run) -> float | None:
+    f = run.info.get("forward_flops_per_token")
+    return float(f) if f is not None else run.last("perf/flops_per_token")
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    reduce: Callable[[Run], float | None]
+    fmt: Callable[[float], str]
+    constant: bool = False  # a property of the model (params, FLOPs): no spread shown when seeds agree
+
+
+def _si(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _rate(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+METRICS: list[Metric] = [
+    Metric("eval_loss", "eval loss", lambda r: r.last("eval/loss"), lambda x: f"{x:.4f}"),
+    Metric("eval_loss_causal", "eval loss (causal routing)", lambda r: r.last("eval/loss_causal"),
+           lambda x: f"{x:.4f}"),
+    Metric("causal_gap", "causal − top-k", causal_gap, lambda x: f"{x:+.4f}"),
+    Metric("params", "params", lambda r: r.info.get("params"), _si, constant=True),
+    Metric("flops_per_token", "fwd FLOPs/token", forward_flops_per_token, _si, constant=True),
+    Metric("tokens_per_s", "tokens/s", lambda r: median_after_warmup(r, "perf/tokens_per_s"), _rate),
+    Metric("step_time_s", "step time (s)", lambda r: median_after_warmup(r, "perf/step_time_s"), lambda x: f"{x:.4g}"),
+    Metric("dropped_tokens_frac", "dropped tokens", lambda r: layer_mean_of_last(r, "moe", "dropped_tokens_frac"),
+           lambda x: f"{x:.2%}"),
+    Metric("noop_frac", "no-op", lambda r: layer_mean_of_last(r, "moe", "noop_frac"), lambda x: f"{x:.2%}"),
+    Metric("predictor_acc", "predictor acc", lambda r: layer_mean_of_last(r, "mod", "predictor_acc"),
+           lambda x: f"{x:.2%}"),
+]
+
+
+def run_summary(run: Run) -> dict:
+    """{metric key: value or None} plus identity and progress of one run."""
+    steps = [pts[-1].step for pts in run.scalars.values() if pts]
+    out = {"run": run.name, "variant": run.variant, "seed": run.seed, "done": run.done,
+           "last_step": max(steps) if steps else None}
+    for m in METRICS:
+        v = m.reduce(run)
+        out[m.key] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+    return out
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample standard deviation over the seeds that have the value."""
+
+    mean: float
+    std: float  # nan for a single seed
+    n: int
+
+    def format(self, fmt: Callable[[float], str], constant: bool = False) -> str:
+        if self.n == 1 or math.isnan(self.std) or (constant and self.std == 0):
+            return fmt(self.mean)
+        return f"{fmt(self.mean)} ± {fmt(self.std).lstrip('+')}"
+
+
+def aggregate(values: list[float | None]) -> Stat | None:
+    vals = np.array([v for v in values if v is not None], dtype=np.float64)
+    if vals.size == 0:
+        return None
+    return Stat(float(vals.mean()), float(vals.std(ddof=1)) if vals.size > 1 else float("nan"), int(vals.size))
+
+
+def variant_table(runs: list[Run]) -> dict[str, dict]:
+    """{variant: {"seeds": [...], "runs": [run summaries], metric key: Stat | None}}."""
+    table = {}
+    for variant, vruns in group_by_variant(runs).items():
+        summaries = [run_summary(r) for r in vruns]
+        row: dict = {"seeds": [r.seed for r in vruns], "runs": summaries}
+        for m in METRICS:
+            row[m.key] = aggregate([s[m.key] for s in summaries])
+        table[variant] = row
+    return table
+
+
+def table_markdown(table: dict[str, dict]) -> str:
+    """The variant table; columns nobody logged are left out (e.g. no MoE in the grid)."""
+    metrics = [m for m in METRICS if any(row[m.key] is not None for row in table.values())]
+    head = ["variant", "seeds"] + [m.label for m in metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, row in table.items():
+        cells = [f"`{variant}`", str(len(row["seeds"]))]
+        cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant) for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Curves against steps, compute and wall-clock.
+
+
+def values_at_steps(run: Run, tag: str, steps: np.ndarray, per_step: float | None = None) -> np.ndarray | None:
+    """A cumulative series (train/tokens, perf/elapsed_s) evaluated at arbitrary steps:
+    interpolated between logged steps, extrapolated past them with `per_step` (or the mean
+    slope). None when the tag was never logged and no per_step is known."""
+    s, v = run.series(tag)
+    steps = np.asarray(steps, dtype=np.float64)
+    if s.size == 0:
+        return steps * per_step if per_step else None
+    if per_step is None:
+        per_step = v[-1] / s[-1] if s[-1] > 0 else 0.0
+    out = np.interp(steps, s, v)
+    out = np.where(steps > s[-1], v[-1] + (steps - s[-1]) * per_step, out)
+    out = np.where(steps < s[0], v[0] - (s[0] - steps) * per_step, out)
+    return out
+
+
+def training_flops_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
+    fpt = forward_flops_per_token(run)
+    tokens = values_at_steps(run, "train/tokens", steps, run.info.get("tokens_per_step"))
+    return None if fpt is None or tokens is None else TRAIN_FLOPS_PER_FORWARD_FLOP * fpt * tokens
+
+
+def elapsed_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
+    return values_at_steps(run, "perf/elapsed_s", steps, median_after_warmup(run, "perf/step_time_s"))
+
+
+def variant_colors(variants: list[str]) -> dict[str, str]:
+    return {v: f"C{i % 10}" for i, v in enumerate(variants)}
+
+
+def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
+    """Train loss (faint) and eval loss (markers) of every run, one colour per variant.
+    x: "step", "flops" (cumulative training FLOPs) or "time" (perf/elapsed_s)."""
+    import matplotlib.pyplot as plt
+
+    groups = group_by_variant(runs)
+    colors = variant_colors(list(groups))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drew = False
+    for variant, vruns in groups.items():
+        for i, run in enumerate(vruns):
+            for tag, style in (("train/loss", dict(alpha=0.3, lw=1)), ("eval/loss", dict(marker="o", ms=3, lw=1.6))):
+                steps, loss = run.series(tag)
+                if steps.size == 0:
+                    continue
+                xs = {"step": lambda s: s.astype(np.float64), "flops": lambda s: training_flops_at(run, s),
+                      "time": lambda s: elapsed_at(run, s)}[x](steps)
+                if xs is None:
+                    continue
+                label = f"{variant} ({tag.split('/')[0]})" if i == 0 else None
+                ax.plot(xs, loss, color=colors[variant], label=label, ls="-" if run.seed % 2 == 0 else "--", **style)
+                drew = True
+    if not drew:
+        plt.close(fig)
+        return None
+    ax.set_xlabel({"step": "optimizer step", "flops": "training FLOPs (3 × forward FLOPs/token × tokens)",
+                   "time": "training wall-clock (s, perf/elapsed_s)"}[x])
+    if x == "flops":
+        ax.set_xscale("log")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"loss vs {x} (eval: markers, train: faint; seeds: line styles)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer routing.
+
+
+def n_layers_of(run: Run) -> int | None:
+    n = run.cfg("model.n_layers")
+    return int(n) if n is not None else None
+
+
+def processed_frac_from_logs(run: Run) -> np.ndarray | None:
+    """[L] fraction of tokens each block processes, when no routing dump exists: the MoD
+    capacity in depth-routed layers times (1 − no-op fraction) in MoE layers."""
+    L = n_layers_of(run)
+    if L is None:
+        return None
+    frac = np.ones(L)
+    cap = run.cfg("model.mod.capacity")
+    for i in run.layer_tags("mod"):
+        if i < L and cap is not None:
+            frac[i] *= float(cap)
+    for i, names in run.layer_tags("moe").items():
+        if i < L and "noop_frac" in names:
+            frac[i] *= 1.0 - run.last(f"moe/layer{i}/noop_frac")
+    return frac
+
+
+def per_layer_processed(runs: list[Run]) -> dict[str, tuple[np.ndarray, str]]:
+    """{variant: ([L] processed fraction averaged over seeds, source)}; from routing.pt where
+    dumped (measured on an eval batch under top-k routing), else from the logs."""
+    from analysis.routing import load_dump, processed_frac_per_layer
+
+    out = {}
+    for variant, vruns in group_by_variant(runs).items():
+        dumps = [processed_frac_per_layer(load_dump(r.path / "routing.pt")) for r in vruns
+                 if (r.path / "routing.pt").is_file()]
+        if dumps and len({d.shape for d in dumps}) == 1:
+            out[variant] = (np.mean(dumps, axis=0), "routing.pt")
+            continue
+        logged = [f for f in (processed_frac_from_logs(r) for r in vruns) if f is not None]
+        if logged and len({f.shape for f in logged}) == 1:
+            out[variant] = (np.mean(logged, axis=0), "logs")
+    return out
+
+
+def per_layer_metric(runs: list[Run], prefix: str, name: str) -> dict[str, dict[int, float]]:
+    """{variant: {layer: last value of <prefix>/layerN/<name>, mean over seeds}} where logged."""
+    out = {}
+    for variant, vruns in group_by_variant(runs).items():
+        acc: dict[int, list[float]] = {}
+        for r in vruns:
+            for i, names in r.layer_tags(prefix).items():
+                if name in names:
+                    acc.setdefault(i, []).append(r.last(f"{prefix}/layer{i}/{name}"))
+        if acc:
+            out[variant] = {i: float(np.mean(v)) for i, v in sorted(acc.items())}
+    return out
+
+
+def load_imbalance(runs: list[Run]) -> dict[str, dict[int, float]]:
+    """{variant: {layer: load_max / load_mean}}: 1 = perfectly balanced experts."""
+    mx, mean = per_layer_metric(runs, "moe", "load_max"), per_layer_metric(runs, "moe", "load_mean")
+    return {v: {i: mx[v][i] / mean[v][i] for i in mx[v] if i in mean.get(v, {}) and mean[v][i] > 0}
+            for v in mx if v in mean}
+
+
+def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str], ylabel: str, title: str) -> None:
+    layers = sorted({i for d in data.values() for i in d})
+    width = 0.8 / max(1, len(data))
+    for j, (variant, d) in enumerate(data.items()):
+        xs = [layers.index(i) + (j - (len(data) - 1) / 2) * width for i in d]
+        ax.bar(xs, list(d.values()), width=width, color=colors[variant], label=variant)
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels([str(i) for i in layers])
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def plot_per_layer(panels: list[tuple[dict[str, dict[int, float]], str, str]], colors: dict[str, str],
+                   path: Path) -> Path | None:
+    """One grouped bar chart per (data, ylabel, title) panel that has data."""
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in panels if p[0]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (data, ylabel, title) in zip(axes[0], panels):
+        _grouped_bars(ax, data, colors, ylabel, title)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def per_layer_markdown(columns: list[tuple[str, dict[str, dict[int, float]], Callable[[float], str]]]) -> str:
+    """Rows (variant, layer), one column per metric; only layers some metric covers."""
+    columns = [c for c in columns if c[1]]
+    if not columns:
+        return ""
+    variants = list(dict.fromkeys(v for _, data, _ in columns for v in data))
+    head = ["variant", "layer"] + [c[0] for c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in variants:
+        for i in sorted({i for _, data, _ in columns for i in data.get(v, {})}):
+            cells = [fmt(data[v][i]) if i in data.get(v, {}) else "—" for _, data, fmt in columns]
+            lines.append("| " + " | ".join([f"`{v}`", str(i)] + cells) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report.
+
+
+def _routing_section(runs: list[Run], out_dir: Path) -> list[str]:
+    """Blocks engaged vs entropy and a routing heatmap per variant that has a routing dump
+    (its lowest seed), as markdown lines."""
+    from analysis import routing as rt
+
+    lines = []
+    for variant, vruns in group_by_variant(runs).items():
+        run = next((r for r in vruns if (r.path / "routing.pt").is_file()), None)
+        if run is None:
+            continue
+        dump = rt.load_dump(run.path / "routing.pt")
+        stats = rt.engagement_vs_entropy(dump)
+        byte_tokens = run.cfg("data.tokenizer", "byte" if rt.looks_like_bytes(dump) else "") == "byte"
+        scatter = rt.plot_engagement_vs_entropy(stats, out_dir / f"entropy_vs_blocks_{variant}.png",
+                                                title=f"{variant} (seed {run.seed}): blocks engaged vs entropy")
+        width = min(64, dump.input_ids_BS.shape[1])
+        heat = rt.plot_routing_heatmap(dump, out_dir / f"routing_heatmap_{variant}.png", width=width,
+                                       byte_tokens=byte_tokens, title=f"{variant} (seed {run.seed}): routing, row 0")
+        r = "n/a (no variation: every token engages the same blocks)" if math.isnan(stats.pearson_r) \
+            else f"{stats.pearson_r:.3f}"
+        lines += [f"### `{variant}` (seed {run.seed}, {stats.n_blocks_T.size} tokens)", "",
+                  f"Pearson correlation of blocks engaged with prediction entropy: **{r}**", "",
+                  "| blocks engaged | tokens | mean entropy (nats) | std |", "|---|---|---|---|"]
+        lines += [f"| {k} | {n} | {m:.3f} | {s:.3f} |" for k, n, m, s in stats.bins]
+        text = rt.window_text(dump, 0, 0, width).replace("```", "'''")
+        lines += ["", f"![]({scatter.name})", "", f"Sample sequence (row 0, first {width} tokens):", "",
+                  "```text", text, "```", "", f"![]({heat.name})", ""]
+    return lines
+
+
+def analyze(runs_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write report.md, summary.json and figures for every run under runs_dir; return report.md's path.
+    out_dir defaults to RUNS_DIR/report."""
+    runs_dir = Path(runs_dir)
+    out_dir = Path(out_dir) if out_dir is not None else runs_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    runs = load_runs(runs_dir)
+    table = variant_table(runs)
+    lines = [f"# Comparison report: `{runs_dir}`", ""]
+    if not runs:
+        lines.append("No run directories found (a run directory holds tb/ or run_info.json).")
+        path = out_dir / "report.md"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+    unfinished = [r.name for r in runs if not r.done]
+    lines += [f"{len(runs)} runs, {len(table)} variants."
+              + (f" Still running or interrupted (no DONE): {', '.join(unfinished)}." if unfinished else ""), ""]
+
+    lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
+              "Eval losses are the last evaluation; tokens/s and step time are medians over logged points "
+              "without the first (warm-up); routing fractions are the last logged value averaged over routed "
+              "layers. `causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval "
+              "loss under top-k routing.", ""]
+
+    lines += ["## Loss curves", ""]
+    for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):
+        if plot_loss_curves(runs, out_dir / name, x) is not None:
+            lines += [f"![loss vs {x}]({name})", ""]
+
+    colors = variant_colors(list(table))
+    processed = per_layer_processed(runs)
+    processed_data = {v: dict(enumerate(f.tolist())) for v, (f, _) in processed.items()}
+    causal = per_layer_metric(runs, "mod", "causal_processed_frac")
+    dropped_tok = per_layer_metric(runs, "moe", "dropped_tokens_frac")
+    dropped_rt = per_layer_metric(runs, "moe", "dropped_routes_frac")
+    noop = per_layer_metric(runs, "moe", "noop_frac")
+    imbalance = load_imbalance(runs)
+    pct = lambda x: f"{x:.1%}"  # noqa: E731
+    lines += ["## Per-layer routing", ""]
+    if processed:
+        lines += ["Fraction of tokens each block processes: "
+                  + ", ".join(f"`{v}` from {src}" for v, (_, src) in processed.items()) + ".", ""]
+    fig = plot_per_layer([(processed_data, "fraction processed", "tokens processed per layer (top-k)"),
+                          (causal, "fraction processed", "causal routing (mod/*/causal_processed_frac)")],
+                         colors, out_dir / "routing_per_layer.png")
+    if fig:
+        lines += [f"![]({fig.name})", ""]
+    fig = plot_per_layer([(imbalance, "load_max / load_mean", "expert load imbalance (1 = balanced)"),
+                          (dropped_tok, "fraction", "dropped tokens"), (dropped_rt, "fraction", "dropped routes"),
+                          (noop, "fraction", "routed to no-op experts")], colors, out_dir / "expert_load.png")
+    if fig:
+        lines += [f"![]({fig.name})", ""]
+    md = per_layer_markdown([("processed", processed_data, pct), ("processed (causal)", causal, pct),
+                             ("load max/mean", imbalance, lambda x: f"{x:.2f}"), ("dropped tokens", dropped_tok, pct),
+                             ("dropped routes", dropped_rt, pct), ("no-op", noop, pct)])
+    if md:
+        lines += [md, ""]
+
+    routing_lines = _routing_section(runs, out_dir)
+    if routing_lines:
+        lines += ["## Routing vs prediction entropy", "",
+                  "Per token of one eval batch: the number of blocks that processed it across depth against the "
+                  "entropy of the model's next-token prediction there (MoD paper: tokens engaging more blocks "
+                  "have higher-entropy predictions).", ""] + routing_lines
+
+    from analysis import isoflop
+
+    iso = isoflop.isoflop_section(runs, out_dir)
+    if iso:
+        lines += iso
+
+    lines += ["## Runs", "", "| run | variant | seed | last step | done | eval loss |", "|---|---|---|---|---|---|"]
+    for row in table.values():
+        for s in row["runs"]:
+            ev = "—" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"
+            lines.append(f"| `{s['run']}` | `{s['variant']}` | {s['seed']} | {s['last_step']} | "
+                         f"{'yes' if s['done'] else 'no'} | {ev} |")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary_json(table), indent=2))
+    return path
+
+
+def summary_json(table: dict[str, dict]) -> dict:
+    """The table as plain JSON: per variant, per metric {mean, std, n} and the per-run values."""
+    out = {}
+    for variant, row in table.items():
+        out[variant] = {"seeds": row["seeds"], "runs": row["runs"]}
+        for m in METRICS:
+            st = row[m.key]
+            out[variant][m.key] = None if st is None else {"mean": st.mean, "std": None if math.isnan(st.std)
+                                                            else st.std, "n": st.n}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mode analyze", description="Comparison report of the runs under RUNS_DIR.")
+    p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
+    p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
+    args = p.parse_args(argv)
+    if not Path(args.runs_dir).is_dir():
+        p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
+    path = analyze(args.runs_dir, args.out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Read the scalars of many runs from their TensorBoard event files.
+
+Uses the tensorboard package's own record reader (`EventFileLoader`), not EventAccumulator:
+the accumulator reservoir-samples long series (it keeps 10k scalars per tag by default) and
+its "purge orphaned data" rule drops steps on restart, while we want every logged point and a
+precise merge rule for resumed runs:
+
+- a resumed run appends new event files to the same tb/ directory and may re-log steps that
+  were already logged before the interruption: per (tag, step) the point with the latest
+  wall time wins (ties: the later file / later record);
+- an in-progress run may end in a half-written record: the loader stops there silently;
+- tags a variant never logs (dense has no mod/ or moe/ tags) are simply absent.
+
+A run directory holds config.yaml, run_info.json, tb/, optionally routing.pt and DONE.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import yaml
+
+EVENT_GLOB = "events.out.tfevents.*"
+_SEED_SUFFIX = re.compile(r"^(?P<variant>.+?)[_-]seed(?P<seed>\d+)$")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One logged scalar."""
+
+    step: int
+    value: float
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scalar as a flat table row, keyed by run, variant, seed, tag and step."""
+
+    run: str
+    variant: str
+    seed: int
+    tag: str
+    step: int
+    value: float
+    wall_time: float
+
+
+@dataclass
+class Run:
+    """Everything the analysis reads from one run directory."""
+
+    path: Path
+    variant: str
+    seed: int
+    info: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    scalars: dict[str, list[Point]] = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def series(self, tag: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of a tag sorted by step; empty arrays when the tag was never logged."""
+        pts = self.scalars.get(tag, [])
+        return (np.array([p.step for p in pts], dtype=np.int64), np.array([p.value for p in pts], dtype=np.float64))
+
+    def last(self, tag: str) -> float | None:
+        """Value at the highest logged step, or None."""
+        pts = self.scalars.get(tag)
+        return pts[-1].value if pts else None
+
+    def cfg(self, dotted: str, default=None):
+        """A value of the resolved config by dotted key (`train.max_steps`), or `default`."""
+        node = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def layer_tags(self, prefix: str) -> dict[int, list[str]]:
+        """{layer index: metric names} for tags `<prefix>/layerN/<name>` (prefix `mod` or `moe`)."""
+        out: dict[int, list[str]] = {}
+        pat = re.compile(rf"^{re.escape(prefix)}/layer(\d+)/(.+)$")
+        for tag in self.scalars:
+            m = pat.match(tag)
+            if m:
+                out.setdefault(int(m.group(1)), []).append(m.group(2))
+        return dict(sorted(out.items()))
+
+    def rows(self) -> Iterator[Row]:
+        for tag, pts in self.scalars.items():
+            for p in pts:
+                yield Row(self.name, self.variant, self.seed, tag, p.step, p.value, p.wall_time)
+
+
+# ----------------------------------------------------------------------------------------------
+# Event files.
+
+
+def event_files(tb_dir: str | Path) -> list[Path]:
+    """Event files under tb_dir (recursively), oldest first by the timestamp in their names."""
+    files = [p for p in Path(tb_dir).rglob(EVENT_GLOB) if p.is_file()]
+
+    def created(p: Path):  # events.out.tfevents.<unix time>.<host>.<pid>.<n>
+        parts = p.name.split(".")
+        try:
+            return (float(parts[3]), p.name)
+        except (IndexError, ValueError):
+            return (float("inf"), p.name)
+
+    return sorted(files, key=created)
+
+
+def iter_scalar_events(path: str | Path) -> Iterator[tuple[str, int, float, float]]:
+    """(tag, step, value, wall_time) for every scalar in one event file, in file order.
+
+    EventFileLoader migrates legacy `simple_value` summaries (torch SummaryWriter) to the
+    tensor form, so both writers' files read the same. A truncated tail record (a run still
+    writing) ends the iteration instead of raising.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    for event in EventFileLoader(str(path)).Load():
+        if not event.HasField("summary"):
+            continue
+        for v in event.summary.value:
+            if v.HasField("tensor"):
+                arr = tensor_util.make_ndarray(v.tensor)
+                if arr.size != 1 or arr.dtype.kind not in "fiub":
+                    continue  # not a scalar (histogram, text, image ...)
+                value = float(arr.reshape(()))
+            elif v.HasField("simple_value"):
+                value = float(v.simple_value)
+            else:
+                continue
+            yield v.tag, int(event.step), value, float(event.wall_time)
+
+
+def read_scalars(tb_dir: str | Path) -> dict[str, list[Point]]:
+    """{tag: points sorted by step}, one point per step: the latest write by wall time wins."""
+    best: dict[tuple[str, int], tuple[float, int, float]] = {}  # (tag, step) -> (wall, order, value)
+    order = 0
+    for f in event_files(tb_dir):
+        for tag, step, value, wall in iter_scalar_events(f):
+            order += 1
+            key = (tag, step)
+            prev = best.get(key)
+            if prev is None or (wall, order) >= (prev[0], prev[1]):
+                best[key] = (wall, order, value)
+    out: dict[str, list[Point]] = {}
+    for (tag, step), (wall, _, value) in best.items():
+        out.setdefault(tag, []).append(Point(step, value, wall))
+    for pts in out.values():
+        pts.sort(key=lambda p: p.step)
+    return dict(sorted(out.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories.
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "tb").is_dir() or (path / "run_info.json").is_file())
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # absent, or being written right now by an in-progress run
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        d = yaml.safe_load(path.read_text())
+        return d if isinstance(d, dict) else {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def load_run(path: str | Path) -> Run:
+    """One run directory. Variant and seed come from run_info.json, else config.yaml
+    (run.name, train.seed), else the directory name `<variant>_seed<N>`."""
+    path = Path(path)
+    info = _read_json(path / "run_info.json")
+    config = _read_yaml(path / "config.yaml")
+    m = _SEED_SUFFIX.match(path.name)
+    variant = info.get("name") or (config.get("run") or {}).get("name") or (m.group("variant") if m else path.name)
+    seed = info.get("seed", (config.get("train") or {}).get("seed", int(m.group("seed")) if m else 0))
+    scalars = read_scalars(path / "tb") if (path / "tb").is_dir() else {}
+    return Run(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists())
+
+
+def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
+    """Run directories at or below runs_dir (a run dir itself counts), sorted by path."""
+    root = Path(runs_dir)
+    if is_run_dir(root):
+        return [root]
+    found, frontier = [], [root]
+    for _ in range(max_depth):
+        nxt = []
+        for d in frontier:
+            for child in sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []:
+                (found if is_run_dir(child) else nxt).append(child)
+        frontier = nxt
+    return sorted(found)
+
+
+def load_runs(runs_dir: str | Path) -> list[Run]:
+    return [load_run(p) for p in find_run_dirs(runs_dir)]
+
+
+def to_rows(runs: list[Run]) -> list[Row]:
+    """All scalars of all runs as flat rows (run, variant, seed, tag, step, value, wall_time)."""
+    return [r for run in runs for r in run.rows()]
+
+
+def group_by_variant(runs: list[Run]) -> dict[str, list[Run]]:
+    """{variant: runs sorted by seed}, variants in a fixed, readable order."""
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.variant, []).append(run)
+    return {v: sorted(out[v], key=lambda r: (r.seed, r.name)) for v in sorted(out, key=variant_sort_key)}
+
+
+VARIANT_ORDER = ("dense", "mod", "moe", "moe_dropping", "mode_staged", "mode_integrated")
+
+
+def variant_sort_key(name: str):
+    """Baselines first in the order the comparison reads, then anything else alphabetically."""
+    return (VARIANT_ORDER.index(name), "") if name in VARIANT_ORDER else (len(VARIANT_ORDER), name)

@@ -1,0 +1,148 @@
+"""MoD speed on this machine: one routed block vs the same dense block, and a training step of a
+12.5%-every-other-block MoD model vs the equal-size dense model. Not a test: prints a markdown
+table (and `--write` appends it to benchmarks/RESULTS.md).
+
+Shape legend: B batch, S sequence, D d_model, F MLP hidden, K tokens a routed block processes.
+
+FLOPs are analytic, from shapes (multiply-add = 2): per processed token the projections
+(qkv + out: 8 D^2), attention over the processed sequence as SDPA computes it (full S x S:
+4 S_proc D) and the SwiGLU MLP (6 D F); per token the router (2 D) and predictor (~D^2).
+Training counts forward + backward = 3x forward, except the predictor whose input is detached
+(no input gradient: 2x). Norms, rotary, softmax and gather/scatter are not counted: they are
+what the measured speedup loses against the FLOP limit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mode.config import ModConfig, ModelConfig  # noqa: E402
+from mode.mod import MoDBlock  # noqa: E402
+from mode.model import build_model  # noqa: E402
+from mode.model.blocks import DenseBlock  # noqa: E402
+from mode.routing.depth import capacity_k  # noqa: E402
+
+
+def block_flops(S: int, D: int, F: int, k: int | None = None) -> float:
+    """Training FLOPs per sequence of a dense block (k None) or a routed block processing k tokens."""
+    n = S if k is None else k
+    fwd = n * (8 * D * D + 4 * n * D + 6 * D * F)
+    if k is None:
+        return 3 * fwd
+    router, predictor = S * 2 * D, S * (2 * D * (D // 2) + 2 * (D // 2))
+    return 3 * (fwd + router) + 2 * predictor
+
+
+def timeit(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(0.125, 0.25, 0.5), reps=5):
+    cfg = ModelConfig(d_model=D, n_heads=H, d_ff=F, max_seq_len=max(seqs))
+    torch.manual_seed(0)
+    dense = DenseBlock(cfg)
+    rows = []
+    for S in seqs:
+        B = max(1, tokens // S)
+        x_BSD = torch.randn(B, S, D, requires_grad=True)
+        gy_BSD = torch.randn(B, S, D)
+        pos_BS = torch.arange(S).expand(B, S)
+
+        def step_dense():
+            y = x_BSD + dense(x_BSD, pos_BS)
+            y.backward(gy_BSD)
+
+        t_dense = timeit(step_dense, reps)
+        for c in caps:
+            mod = MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0)
+
+            def step_mod():
+                y = mod(x_BSD, pos_BS)
+                torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
+
+            t_mod = timeit(step_mod, reps)
+            limit = block_flops(S, D, F) / block_flops(S, D, F, capacity_k(c, S))
+            rows.append((S, B, c, t_dense * 1e3, t_mod * 1e3, t_dense / t_mod, limit))
+    return rows
+
+
+def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=2, V=320, reps=3):
+    out = {}
+    for name, layers in (("dense", "none"), ("mod", "every_other")):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, max_seq_len=S,
+                          mod=ModConfig(layers=layers, capacity=0.125, causal="predictor"))
+        model = build_model(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids_BS = torch.randint(0, V, (B, S + 1))
+
+        def step():
+            o = model(ids_BS[:, :-1], ids_BS[:, 1:])
+            (o.loss + o.aux_loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[name] = timeit(step, reps)
+    return out
+
+
+def report(rows, model_t, D, H, F) -> str:
+    cpu = platform.processor() or platform.machine()
+    lines = [
+        "## MoD block and model speed (CPU)",
+        "",
+        f"Machine: {os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, fp32. "
+        f"Block: d_model {D}, {H} heads, SwiGLU d_ff {F}, {rows[0][1] * rows[0][0]} tokens per batch; "
+        "forward + backward (+ router/predictor aux loss for MoD); median of 5 after warmup. "
+        "FLOP limit = analytic training FLOPs dense / MoD (router and predictor included; "
+        "attention counted as the full S x S SDPA computes).",
+        "",
+        "| S | B | capacity | dense ms | MoD ms | speedup | FLOP limit | % of limit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for S, B, c, td, tm, sp, lim in rows:
+        lines.append(f"| {S} | {B} | {c} | {td:.1f} | {tm:.1f} | {sp:.2f}x | {lim:.2f}x | {100 * sp / lim:.0f}% |")
+    ok_block = all(sp / lim >= 0.85 for S, B, c, td, tm, sp, lim in rows if S >= 1024 and c == 0.125)
+    ms = model_t["dense"] / model_t["mod"]
+    lines += [
+        "",
+        f"Training step (fwd + bwd + AdamW), 4 layers d_model {D}, S=1024, B=2, vocab 320: dense "
+        f"{model_t['dense'] * 1e3:.0f} ms, MoD (12.5% capacity, every other block, predictor) "
+        f"{model_t['mod'] * 1e3:.0f} ms: **{ms:.2f}x** faster.",
+        "",
+        f"Verdict: block speedup >= 85% of the FLOP limit at S >= 1024, capacity 0.125: "
+        f"**{'met' if ok_block else 'missed'}**; model step >= 1.5x at S = 1024: **{'met' if ms >= 1.5 else 'missed'}**.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true", help="append the section to benchmarks/RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="S=1024, capacity 0.125 only")
+    a = ap.parse_args()
+    D, H, F = 512, 8, 2048
+    kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else {}
+    rows = bench_blocks(D, H, F, **kw)
+    text = report(rows, bench_model(D, H, F), D, H, F)
+    print(text)
+    if a.write:
+        path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+        prev = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
+        with open(path, "w") as f:
+            f.write(prev.rstrip("\n") + "\n\n" + text)

@@ -1,0 +1,158 @@
+"""The one place that knows about distribution: process group, ds_config, the DeepSpeed engine.
+
+Model code is single-device; everything parallel (data parallel, ZeRO, expert parallel groups,
+gradient all-reduce) is applied here by DeepSpeed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before deepspeed is imported: it picks its accelerator at import time.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from mode.config import Config  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the process group started by `deepspeed`/`torchrun`, or form a world of one."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # plain `mode train`: a single process
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def ds_config(cfg: Config, world_size: int) -> dict:
+    t, ds = cfg.train, cfg.deepspeed
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        # ZeRO 1/2 clip and skip non-finite steps themselves; at stage 0 GuardedAdamW does both.
+        "gradient_clipping": cfg.optim.grad_clip if ds.zero_stage > 0 else 0.0,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "bf16": {"enabled": ds.precision == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def lr_lambda(cfg: Config):
+    o, total = cfg.optim, cfg.train.max_steps
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        p = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+    return f
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that computes the global gradient norm, clips, and refuses non-finite steps.
+
+    Used at ZeRO stage 0 (ZeRO 1/2 do the same inside DeepSpeed). DeepSpeed's engine reads
+    `overflow` (skip: no update, scheduler not stepped, engine.skipped_steps += 1) and
+    `_global_grad_norm`. Expert-parallel expert params differ per rank, so their squared norm
+    is summed across ranks; one all-reduce of two numbers per step.
+    """
+
+    def __init__(self, params, *, clip: float, names: dict, **kw):
+        super().__init__(params, **kw)
+        self.clip, self.names = clip, names
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.bad_params: list[str] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+
+        ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        shared = [p for p in ps if getattr(p, "allreduce", True)]
+        expert = [p for p in ps if not getattr(p, "allreduce", True)]
+        zero = torch.zeros((), device=ps[0].device) if ps else torch.zeros(())
+        sq = lambda group: torch.stack([p.grad.float().pow(2).sum() for p in group]).sum() if group else zero  # noqa: E731
+        stats = torch.stack([sq(expert), zero.clone()])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(stats)
+            stats[0] /= world // max(1, getattr(self, "ep_size", 1))  # each expert has world/ep replicas
+        norm = (sq(shared) + stats[0]).sqrt()
+        self._global_grad_norm = norm.item()  # host sync: once per optimizer step
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            self.bad_params = [self.names.get(p, "?") for p in ps if not torch.isfinite(p.grad).all()]
+            for p in ps:
+                p.grad = None
+            return None
+        if self.clip > 0 and self._global_grad_norm > self.clip:
+            for p in ps:
+                p.grad.mul_(self.clip / (self._global_grad_norm + 1e-6))
+        return super().step(closure)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; not norms, biases, embeddings or routers (scalars per token)."""
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        skip = p.dim() < 2 or "embed" in n or "router" in n or "predictor" in n
+        (no_decay if skip else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def uses_deepspeed_moe(cfg: Config) -> bool:
+    from mode.config import resolve_layers
+
+    m = cfg.model.moe
+    return m.backend == "deepspeed" and bool(resolve_layers(m.layers, cfg.model.n_layers))
+
+
+def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):
+    """DeepSpeed engine around the model with AdamW and warmup + cosine (both checkpointed)."""
+    import deepspeed
+
+    groups = param_groups(model, cfg.optim.weight_decay)
+    if uses_deepspeed_moe(cfg):
+        from mode.moe.deepspeed import moe_param_groups
+
+        groups = moe_param_groups(groups)  # expert params get their own (expert-data-parallel) groups
+    o = cfg.optim
+    adam = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if cfg.deepspeed.zero_stage == 0:
+        opt = GuardedAdamW(groups, clip=o.grad_clip, names={p: n for n, p in model.named_parameters()}, **adam)
+        opt.ep_size = cfg.model.moe.ep_size if uses_deepspeed_moe(cfg) else 1
+    else:
+        opt = torch.optim.AdamW(groups, **adam)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                 config=ds_config(cfg, world_size))
+    return engine, opt, sched

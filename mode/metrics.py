@@ -1,0 +1,55 @@
+"""On-device metric accumulation; one all-reduce and one host read per logging step; rank 0
+writes TensorBoard."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class Accumulator:
+    """Sums scalar tensors on their device; `read()` averages them over calls and ranks."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.n = 0
+
+    def add(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+        self.n += 1
+
+    def read(self) -> dict[str, float]:
+        if not self.sums:
+            return {}
+        keys = sorted(self.sums)
+        vec = torch.stack([self.sums[k] for k in keys]) / self.n
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(vec)
+            vec /= world
+        vals = vec.tolist()  # the one host sync of this logging step
+        self.sums, self.n = {}, 0
+        return dict(zip(keys, vals))
+
+
+class TBWriter:
+    def __init__(self, log_dir: Path, enabled: bool):
+        self.w = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.w = SummaryWriter(str(log_dir))
+
+    def write(self, scalars: dict, step: int) -> None:
+        if self.w is None:
+            return
+        for k, v in scalars.items():
+            self.w.add_scalar(k, v, step)
+        self.w.flush()
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
