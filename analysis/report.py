@@ -48,6 +48,13 @@ def layer_mean_of_last(run: Run, prefix: str, name: str) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def causal_routing_acc(run: Run) -> float | None:
+    """How often the causal rule agrees with top-k membership: the predictor's accuracy, or,
+    for routers trained with the aux loss only (no predictor), the router's own sign rule."""
+    acc = layer_mean_of_last(run, "mod", "predictor_acc")
+    return acc if acc is not None else layer_mean_of_last(run, "mod", "router_causal_acc")
+
+
 def causal_gap(run: Run) -> float | None:
     a, b = run.last("eval/loss_causal"), run.last("eval/loss")
     return None if a is None or b is None else a - b
@@ -90,8 +97,7 @@ METRICS: list[Metric] = [
     Metric("dropped_tokens_frac", "dropped tokens", lambda r: layer_mean_of_last(r, "moe", "dropped_tokens_frac"),
            lambda x: f"{x:.2%}"),
     Metric("noop_frac", "no-op", lambda r: layer_mean_of_last(r, "moe", "noop_frac"), lambda x: f"{x:.2%}"),
-    Metric("predictor_acc", "predictor acc", lambda r: layer_mean_of_last(r, "mod", "predictor_acc"),
-           lambda x: f"{x:.2%}"),
+    Metric("predictor_acc", "predictor acc", lambda r: causal_routing_acc(r), lambda x: f"{x:.2%}"),
 ]
 
 
@@ -156,19 +162,20 @@ def table_markdown(table: dict[str, dict]) -> str:
 
 
 def values_at_steps(run: Run, tag: str, steps: np.ndarray, per_step: float | None = None) -> np.ndarray | None:
-    """A cumulative series (train/tokens, perf/elapsed_s) evaluated at arbitrary steps:
-    interpolated between logged steps, extrapolated past them with `per_step` (or the mean
-    slope). None when the tag was never logged and no per_step is known."""
+    """A cumulative series that starts at 0 at step 0 (train/tokens, perf/elapsed_s) evaluated
+    at arbitrary steps (eval steps need not be logging steps): interpolated between logged
+    steps, extrapolated past the last one with `per_step` (default: the mean slope). None when
+    the tag was never logged and no per_step is known."""
     s, v = run.series(tag)
     steps = np.asarray(steps, dtype=np.float64)
     if s.size == 0:
         return steps * per_step if per_step else None
+    if s[0] > 0:
+        s, v = np.concatenate([[0], s]), np.concatenate([[0.0], v])
     if per_step is None:
         per_step = v[-1] / s[-1] if s[-1] > 0 else 0.0
     out = np.interp(steps, s, v)
-    out = np.where(steps > s[-1], v[-1] + (steps - s[-1]) * per_step, out)
-    out = np.where(steps < s[0], v[0] - (s[0] - steps) * per_step, out)
-    return out
+    return np.where(steps > s[-1], v[-1] + (steps - s[-1]) * per_step, out)
 
 
 def training_flops_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
@@ -395,8 +402,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
               "Eval losses are the last evaluation; tokens/s and step time are medians over logged points "
               "without the first (warm-up); routing fractions are the last logged value averaged over routed "
-              "layers. `causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval "
-              "loss under top-k routing.", ""]
+              "layers (predictor acc: of the causal predictor, or of the router's sign rule without one). "
+              "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
+              "top-k routing.", ""]
 
     lines += ["## Loss curves", ""]
     for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):

@@ -106,6 +106,8 @@ class MoEConfig:
     """Which overflow routes are dropped: `position` (top-1 choices first, then earlier tokens) or `probability`."""
     normalize_weights: bool = True
     """Renormalise the top-k probabilities to sum to 1 (top_k > 1); the no-op routes count in the sum."""
+    renormalize_after_drop: bool = False
+    """With normalize_weights: renormalise over the routes that survive capacity (DeepSpeed's stock gate) instead of over the top-k."""
     jitter: float = 0.0
     """Multiplicative input jitter epsilon on the router input during training (Switch); 0 = off."""
     lb_loss_weight: float = 0.01
@@ -140,13 +142,8 @@ class MoEConfig:
                f"a divisor of num_experts={self.num_experts}")
         if self.backend != "deepspeed":
             _check(self.ep_size == 1, k + "ep_size", self.ep_size, "1 unless backend is deepspeed")
-        if self.backend == "deepspeed":
-            _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
-                   "0 with backend deepspeed (DeepSpeed's gate has no no-op experts; use backend native)")
-            _check(self.z_loss_weight == 0, k + "z_loss_weight", self.z_loss_weight,
-                   "0 with backend deepspeed (its gate computes no z-loss)")
-            _check(self.drop_policy == "position", k + "drop_policy", self.drop_policy,
-                   "position with backend deepspeed")
+        # backend deepspeed runs our router as the gate of DeepSpeed's MoE layer: every routing
+        # option (no-op experts, z-loss, drop policy) applies to it as to native.
         if self.backend == "megablocks":
             _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
                    "0 with backend megablocks (use backend native for no-op experts)")
@@ -237,7 +234,9 @@ def _is_hub_name(s: str) -> bool:
 @dataclass
 class TrainConfig:
     max_steps: int = 200
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for (sets the LR schedule's length)."""
+    stop_at: int = 0
+    """Stop (after a checkpoint) at this step without changing the schedule: time-boxed or preemptible jobs resume later; 0 = off."""
     seed: int = 0
     """Seed of model init and all training randomness (each rank adds its rank)."""
     micro_batch_size: int = 8
@@ -259,6 +258,7 @@ class TrainConfig:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
                      "max_consecutive_nonfinite"):
             _check(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), ">= 1")
+        _check(self.stop_at >= 0, "train.stop_at", self.stop_at, ">= 0")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.nonfinite in ("skip", "stop"), "train.nonfinite", self.nonfinite, "skip or stop")
 
@@ -448,6 +448,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return _build(tp, value, key + ".")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool) or not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
     return value

@@ -134,15 +134,18 @@ class DataModule:
         g = torch.Generator().manual_seed(self.cfg.split_seed * 1000003 + epoch)
         return torch.randperm(len(self.train), generator=g)
 
-    def train_batch(self, step: int, micro: int, micro_batch: int, accum: int):
-        """(inputs, targets), each [B, S] int64, for this rank at (step, micro)."""
+    def train_rows(self, step: int, micro: int, micro_batch: int, accum: int) -> torch.Tensor:
+        """Indices of the packed training sequences this rank reads at (step, micro)."""
         start = ((step * accum + micro) * self.world + self.rank) * micro_batch
         g = torch.arange(start, start + micro_batch)
         n = len(self.train)
         epochs = (g // n).tolist()
         perms = {e: self._perm(e) for e in set(epochs)}
-        rows = torch.stack([perms[e][i] for e, i in zip(epochs, (g % n).tolist())])
-        seq = self.train.seqs_NS1[rows]
+        return torch.stack([perms[e][i] for e, i in zip(epochs, (g % n).tolist())])
+
+    def train_batch(self, step: int, micro: int, micro_batch: int, accum: int):
+        """(inputs, targets), each [B, S] int64, for this rank at (step, micro)."""
+        seq = self.train.seqs_NS1[self.train_rows(step, micro, micro_batch, accum)]
         return seq[:, :-1], seq[:, 1:]
 
     def val_batches(self, n_batches: int, micro_batch: int):

@@ -88,10 +88,13 @@ def count(cfg: Config) -> dict:
 def flop_counter():
     """FlopCounterMode that also counts CPU flash attention (torch has no entry for it)."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_flash(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(q_shape, k_shape, v_shape)  # torch's own SDPA formula
 
     return FlopCounterMode(display=False, custom_mapping={
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop})
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash})
 
 
 def format_table(c: dict) -> str:

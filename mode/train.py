@@ -19,14 +19,14 @@ import yaml
 
 from mode import engine as eng  # sets DS_ACCELERATOR=cpu before deepspeed loads
 from mode import checkpoint as ckpt
-from mode.config import Config, ConfigError, config_from_dict, dump_config, load_config, resolve_layers
+from mode.config import Config, ConfigError, dump_config, load_config, resolve_layers
 from mode.data import DataModule, build_tokenizer
 from mode.flops import count as count_flops
 from mode.metrics import Accumulator, TBWriter
 from mode.model import build_model
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
-RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.eval_batches", "train.log_every",
+RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
                   "model.moe.ep_size", "model.moe.backend")
 
@@ -169,6 +169,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        with torch.random.fork_rng(devices=[]):  # evaluation must not shift training randomness
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         model = self.engine.module
         model.eval()
         acc = Accumulator()
@@ -205,11 +209,14 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps, initial=self.step, desc=cfg.run.name or self.run_dir.name,
                        dynamic_ncols=True, file=sys.stderr)
+        if self.step == 0:  # the starting point of every eval curve
+            self.tb.write(self.evaluate(), 0)
         t_log, steps_since = time.perf_counter(), 0
-        while self.step < t.max_steps:
+        end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+        while self.step < end:
             self.train_step(acc)
             steps_since += 1
-            done = self.step == t.max_steps
+            done = self.step == end
             if self.step % t.log_every == 0 or done:
                 vals = acc.read()  # all-reduce + host sync
                 dt = time.perf_counter() - t_log
@@ -238,7 +245,7 @@ class Trainer:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        if self.rank == 0:
+        if self.rank == 0 and self.step == t.max_steps:
             if cfg.log.routing_dump:
                 self.dump_routing()
             (self.run_dir / "DONE").write_text(json.dumps(last))

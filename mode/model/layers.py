@@ -60,19 +60,28 @@ class KVCache:
         self.v_BHLE = torch.zeros_like(self.k_BHLE)
         self.len_B = torch.zeros(batch, dtype=torch.long, device=device)
         self.write_B: torch.Tensor | None = None
+        # Host-side step count bounds every row's length (len_B <= steps): the overflow check
+        # needs no device sync per layer and step.
+        self.steps = 0
 
     def append(self, k_BH1E: torch.Tensor, v_BH1E: torch.Tensor) -> torch.Tensor:
         """Write one step's keys/values for rows in write_B; return the key mask [B, L]."""
         B, L = self.k_BHLE.shape[0], self.k_BHLE.shape[2]
-        write_B = self.write_B if self.write_B is not None else torch.ones(B, dtype=torch.bool, device=self.len_B.device)
-        if bool((self.len_B + write_B.long() > L).any()):
+        if self.steps >= L:
             raise RuntimeError(f"KV cache full: max_len={L}")
-        slot_B = self.len_B.clamp(max=L - 1)
-        rows = torch.arange(B, device=slot_B.device)
-        w = write_B[:, None, None]
-        self.k_BHLE[rows, :, slot_B] = torch.where(w, k_BH1E[:, :, 0], self.k_BHLE[rows, :, slot_B])
-        self.v_BHLE[rows, :, slot_B] = torch.where(w, v_BH1E[:, :, 0], self.v_BHLE[rows, :, slot_B])
-        self.len_B = self.len_B + write_B.long()
+        self.steps += 1
+        rows_B = torch.arange(B, device=self.len_B.device)
+        slot_B = self.len_B
+        if self.write_B is None:
+            self.k_BHLE[rows_B, :, slot_B] = k_BH1E[:, :, 0]
+            self.v_BHLE[rows_B, :, slot_B] = v_BH1E[:, :, 0]
+            self.len_B = self.len_B + 1
+        else:
+            # Rows that do not write rewrite their next free slot with itself (still free).
+            w = self.write_B[:, None, None]
+            self.k_BHLE[rows_B, :, slot_B] = torch.where(w, k_BH1E[:, :, 0], self.k_BHLE[rows_B, :, slot_B])
+            self.v_BHLE[rows_B, :, slot_B] = torch.where(w, v_BH1E[:, :, 0], self.v_BHLE[rows_B, :, slot_B])
+            self.len_B = self.len_B + self.write_B.long()
         # Rows that did not write still need one visible key so softmax stays finite; their
         # output is discarded by the routing wrapper.
         return torch.arange(L, device=slot_B.device)[None] < self.len_B.clamp(min=1)[:, None]

@@ -1,0 +1,153 @@
+"""Autoregressive sampling with a KV cache and causal depth routing, batched over ragged prompts.
+
+Shape legend: B prompts (batch rows), T decoding steps, V vocabulary, P longest prompt.
+
+All rows advance in lockstep, one position per step: at step t row i feeds its prompt token t
+while t < len_i, else the token it sampled at step t - 1. Every row sits at the same position t,
+so no padding or position offsets are needed; a row whose prompt is still running ignores its
+sample. Routed layers decide each token causally (predictor, or sigmoid(r) > 0.5) and append it
+to their own cache only when they process it, so cache lengths differ per row and layer.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mode.model import LM, build_model
+
+
+@dataclass
+class Trace:
+    tokens_BT: torch.Tensor
+    """[B, T + 1] every row's fed tokens (prompt, then samples) plus the last sample."""
+    logits_BTV: torch.Tensor
+    """[B, T, V] the logits each step produced (fp32)."""
+
+
+def _sample(logits_BV, temperature: float, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=gen)[:, 0]
+
+
+@torch.no_grad()
+def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 0, eos_id: int | None = None, vocab_limit: int | None = None,
+                 return_trace: bool = False):
+    """Sample `max_new_tokens` after each prompt (stopping a row at `eos_id`, not included).
+    temperature <= 0 is greedy; top_k 0 keeps the whole vocabulary; `vocab_limit` masks logits of
+    ids the tokenizer cannot decode. Returns the new ids per row (and a Trace if asked)."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+    dev = next(model.parameters()).device
+    B, n = len(prompt_ids), max_new_tokens
+    len_B = torch.tensor([len(p) for p in prompt_ids], device=dev)
+    P = int(len_B.max())
+    if n <= 0:
+        return ([[] for _ in prompt_ids], None) if return_trace else [[] for _ in prompt_ids]
+    T = max(len(p) + n for p in prompt_ids) - 1  # steps: the last sample is never fed back
+    if T > model.cfg.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens needs {T} positions > model.max_seq_len={model.cfg.max_seq_len}")
+    prompt_BP = torch.zeros(B, P, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompt_ids):
+        prompt_BP[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    caches = model.new_caches(B, T)
+    tokens_BT = torch.zeros(B, T + 1, dtype=torch.long, device=dev)
+    tokens_BT[:, 0] = prompt_BP[:, 0]
+    logits = []
+    for t in range(T):
+        pos_B1 = torch.full((B, 1), t, dtype=torch.long, device=dev)
+        out = model(tokens_BT[:, t : t + 1], routing="causal", pos_BS=pos_B1, caches=caches)
+        logits_BV = out.logits[:, 0].float()
+        if return_trace:
+            logits.append(logits_BV)
+        if vocab_limit is not None:
+            logits_BV = logits_BV[:, :vocab_limit]
+        next_B = _sample(logits_BV, temperature, top_k, gen)
+        in_prompt_B = t + 1 < len_B
+        tokens_BT[:, t + 1] = torch.where(in_prompt_B, prompt_BP[:, min(t + 1, P - 1)], next_B)
+    model.train(was_training)
+    out_ids = []
+    for i, p in enumerate(prompt_ids):
+        new = tokens_BT[i, len(p) : len(p) + n].tolist()
+        if eos_id is not None and eos_id in new:
+            new = new[: new.index(eos_id)]
+        out_ids.append(new)
+    if return_trace:
+        return out_ids, Trace(tokens_BT, torch.stack(logits, 1))
+    return out_ids
+
+
+def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0) -> list[str]:
+    """Text in, text out. Each prompt is preceded by the tokenizer's EOS: training packs
+    documents with EOS between them, so it marks 'a document starts here' (and lets an empty
+    prompt sample from scratch)."""
+    eos = tokenizer.eos_id
+    ids = [[eos] + [int(i) for i in tokenizer.encode(p)] for p in prompts]
+    out = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed, eos_id=eos,
+                       vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size))
+    return [tokenizer.decode(o) for o in out]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a trained run.
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """Newest complete checkpoint dir: checkpoints/step_<N> (no `.tmp` suffix) holding model.pt."""
+    ckpts = []
+    for d in (Path(run_dir) / "checkpoints").glob("step_*"):
+        m = re.fullmatch(r"step_(\d+)", d.name)
+        if m and d.is_dir() and (d / "model.pt").is_file():
+            ckpts.append((int(m.group(1)), d))
+    return max(ckpts)[1] if ckpts else None
+
+
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer, config) from run_dir/config.yaml and the newest complete
+    checkpoint's plain state_dict (model.pt): no DeepSpeed needed."""
+    from mode.config import load_config
+    from mode.data import build_tokenizer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir}/config.yaml not found: is {run_dir} a run directory?")
+    cfg = load_config(run_dir / "config.yaml")
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"no complete checkpoint (checkpoints/step_*/model.pt) under {run_dir}")
+    model = build_model(cfg.model)
+    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
+    state = state.get("module", state) if isinstance(state, dict) else state
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    model.load_state_dict(state)
+    return model.to(device).eval(), build_tokenizer(cfg.data), cfg
+
+
+def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+                 seed: int = 0) -> list[str]:
+    """What `mode generate --run RUN_DIR --prompt TEXT` does: the prompt followed by its sample."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok, _ = load_run(run_dir, device)
+    return [p + s for p, s in zip(prompts, generate(model, tok, prompts, max_new_tokens, temperature, seed=seed))]
+
+
+def main_generate(args) -> int:
+    """argparse glue: args.run, args.prompt (str or list), args.max_new_tokens, args.temperature, args.seed."""
+    prompts = args.prompt if isinstance(args.prompt, list) else [args.prompt]
+    opt = lambda name, default: default if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
+    outs = cli_generate(args.run, prompts, opt("max_new_tokens", 200), opt("temperature", 1.0), opt("seed", 0))
+    for i, text in enumerate(outs):
+        print(text if len(outs) == 1 else f"--- [{i}]\n{text}")
+    return 0

@@ -1,0 +1,190 @@
+"""Expert routing (Mixture-of-Experts): token-choice top-k over E real + N no-op experts.
+
+Shape legend: T tokens (the B*S rows of a forward call, flattened), D d_model, K top_k,
+X = E + N router outputs (real experts first, then no-op experts), E real experts,
+R = K*T routes, ordered choice-major (r = j*T + t: every token's first choice, then every
+token's second choice, ...).
+
+The router decides everything that is routing: which expert each route goes to, its combine
+weight, and whether it survives the capacity limit. Dispatch, expert compute and combine are
+separate steps (mode/moe/*), so every backend executes the same decisions.
+
+Semantics (DESIGN.md 3.2):
+- logits = x W^T and softmax in fp32; optional multiplicative jitter on x while training.
+- Capacity per real expert: ceil(capacity_factor * K * T / E) floored at min_capacity, T = the
+  valid tokens of this call (DeepSpeed's per-rank group); computed with DeepSpeed's exact
+  float32 expression so both agree on the boundary. capacity_factor None = dropless.
+- `position` policy: routes claim slots in route order (all first choices before any second
+  choice, then by token index); DeepSpeed's top-2 gate uses the same order. `probability`
+  policy: each expert keeps its routes with the highest router probability (DeepSpeed's k>2).
+- No-op experts have no capacity limit and no parameters; a route to one adds nothing.
+- Weights: the top-k probabilities; for K > 1 renormalised to sum to 1 over the top-k
+  (no-op routes included) or, with renormalize_after_drop, over the surviving routes
+  (DeepSpeed's stock gate). K = 1 keeps the raw probability (Switch): renormalising would
+  make it 1 and cut the router off the gradient of the LM loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mode.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    """One forward call's routing decisions, losses and metrics."""
+
+    idx_TK: torch.Tensor
+    """Chosen router output per route (0..E-1 real, E..E+N-1 no-op), choice-sorted (j=0 is top-1)."""
+    w_TK: torch.Tensor
+    """fp32 combine weight of each route; 0 where the route does not reach a real expert."""
+    keep_TK: torch.Tensor
+    """Route reaches a real expert and survived capacity (False for padding and no-op routes)."""
+    pos_TK: torch.Tensor
+    """Slot of the route inside its expert's buffer (valid where keep_TK)."""
+    order_R: torch.Tensor
+    """Routes (r = j*T + t) sorted by expert, each expert's routes in priority order; the
+    counts_E.sum() real routes come first (dropless backends group tokens with it)."""
+    capacity: int | None
+    """Static bound on slots per expert for buffers (None = dropless: no bound)."""
+    counts_E: torch.Tensor
+    """Routes per real expert before dropping (demand)."""
+    kept_E: torch.Tensor
+    """Routes per real expert after dropping."""
+    aux_loss: torch.Tensor
+    """lb_loss_weight * lb_loss + z_loss_weight * z_loss (fp32 scalar, on the graph)."""
+    metrics: dict = field(default_factory=dict)
+    engaged_T: torch.Tensor | None = None
+    """Token got at least one real-expert update."""
+
+
+def ds_capacity(num_tokens, num_experts: int, capacity_factor: float, k: int, min_capacity: int):
+    """DeepSpeed's `_capacity` with capacity_factor*k folded in (top-1: cf, top-2: cf*2, top-k: cf*k):
+    ceil(float32(T/E) * float32(cf*k)), floored at min_capacity. `num_tokens` is an int (returns an
+    int, no device work) or a 0-d tensor (returns a 0-d tensor on its device: no host sync)."""
+    cf = torch.tensor(capacity_factor * k, dtype=torch.float32)
+    if isinstance(num_tokens, int):
+        return max(int(torch.ceil((num_tokens / num_experts) * cf)), min_capacity)
+    per_expert = (num_tokens.double() / num_experts).float()
+    return torch.ceil(per_expert * cf.to(per_expert.device)).long().clamp(min=min_capacity)
+
+
+class ExpertRouter(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.E, self.N, self.k = cfg.num_experts, cfg.num_noop_experts, cfg.top_k
+        # One row per router output; no-op experts are just extra logits.
+        self.weight = nn.Parameter(torch.empty(self.E + self.N, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+        self.ep_group = None  # set when plugged into DeepSpeed's MOELayer (dropless capacity sync)
+
+    def capacity_factor(self) -> float | None:
+        c = self.cfg
+        if not self.training and c.eval_capacity_factor is not None:
+            return c.eval_capacity_factor
+        return c.capacity_factor
+
+    def buffer_capacity(self, T: int) -> int | None:
+        """Static slots per expert for T token rows (None: dropless). An expert gets at most one
+        route per token, so more than T slots would only hold padding."""
+        cf = self.capacity_factor()
+        return None if cf is None else min(ds_capacity(T, self.E, cf, self.k, self.cfg.min_capacity), T)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        x = x_TD.float()  # fp32 routing even under bf16: near-ties decide experts
+        if self.training and self.cfg.jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.cfg.jitter, 1.0 + self.cfg.jitter)
+        return F.linear(x, self.weight.float())
+
+    def forward(self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        cfg, E, K = self.cfg, self.E, self.k
+        T = x_TD.shape[0]
+        logits_TX = self.logits(x_TD)
+        probs_TX = logits_TX.softmax(-1)
+        p_TK, idx_TK = probs_TX.topk(K, dim=-1)
+
+        valid_TK = None if valid_T is None else valid_T[:, None].expand(T, K)
+        real_TK = idx_TK < E if valid_TK is None else (idx_TK < E) & valid_TK
+        noop_TK = idx_TK >= E if valid_TK is None else (idx_TK >= E) & valid_TK
+        # Valid-token count: a Python int when there is no padding (exact DeepSpeed capacity,
+        # no device work), a device scalar otherwise (no host sync).
+        n_valid = T if valid_T is None else valid_T.sum()
+
+        # -- slots: sort routes by expert in priority order; a route's slot is its rank there.
+        key_R = torch.where(real_TK, idx_TK, E).t().reshape(-1)  # E = sentinel: padding / no-op
+        if cfg.drop_policy == "probability":
+            by_prob_R = torch.argsort(-p_TK.detach().t().reshape(-1), stable=True)
+            order_R = by_prob_R[torch.argsort(key_R[by_prob_R], stable=True)]
+        else:
+            order_R = torch.argsort(key_R, stable=True)
+        counts_X = torch.bincount(key_R, minlength=E + 1)  # [E real..., sentinel]
+        start_X = counts_X.cumsum(0) - counts_X
+        pos_sorted_R = torch.arange(key_R.numel(), device=key_R.device) - start_X[key_R[order_R]]
+        pos_R = torch.empty_like(pos_sorted_R).scatter_(0, order_R, pos_sorted_R)
+        pos_TK = pos_R.view(K, T).t()
+        counts_E = counts_X[:E]
+
+        cf = self.capacity_factor()
+        if cf is None:
+            keep_TK, kept_E, cap_buf = real_TK, counts_E, None
+        else:
+            cap = ds_capacity(n_valid, E, cf, K, cfg.min_capacity)
+            keep_TK = real_TK & (pos_TK < cap)
+            kept_E = counts_E.clamp(max=cap)
+            cap_buf = self.buffer_capacity(T)
+
+        # -- combine weights
+        if K > 1 and cfg.normalize_weights:
+            live_TK = (keep_TK | noop_TK) if cfg.renormalize_after_drop else torch.ones_like(keep_TK)
+            denom_T1 = (p_TK * live_TK).sum(-1, keepdim=True)
+            w_TK = p_TK / denom_T1.clamp(min=torch.finfo(p_TK.dtype).eps)
+        else:
+            w_TK = p_TK
+        w_TK = w_TK * keep_TK
+
+        # -- losses. Load balancing over REAL experts only: f_e = share of the real-expert routes
+        # (before dropping) that chose e, P_e = mean over valid tokens of e's probability
+        # renormalised over the real experts. With N = 0 this is exactly Switch/DeepSpeed's
+        # E * sum_e f_e P_e; with N > 0 the term measures balance among the real experts only and
+        # is indifferent to how much traffic goes to no-ops (that split is left to the LM loss).
+        vmask_T1 = None if valid_T is None else valid_T[:, None].float()
+        probs_TE = probs_TX[:, :E]
+        if self.N:
+            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)
+        if vmask_T1 is None:
+            P_E = probs_TE.mean(0)
+            z = torch.logsumexp(logits_TX, -1).square().mean()
+        else:
+            denom = torch.as_tensor(n_valid, device=x_TD.device).clamp(min=1).float()
+            P_E = (probs_TE * vmask_T1).sum(0) / denom
+            z = (torch.logsumexp(logits_TX, -1).square() * vmask_T1[:, 0]).sum() / denom
+        f_E = counts_E.float() / counts_E.sum().clamp(min=1).float()
+        lb = E * (f_E * P_E).sum()
+        aux = cfg.lb_loss_weight * lb + cfg.z_loss_weight * z
+
+        # -- metrics (on device; read at logging steps only)
+        engaged_T = keep_TK.any(-1)
+        n_tok = torch.as_tensor(n_valid, device=x_TD.device).clamp(min=1).float()
+        demand = counts_E.sum()
+        dropped_tok = (real_TK.any(-1) & ~engaged_T).sum()
+        metrics = {
+            # dropped routes / routes that asked for a real expert
+            "dropped_routes_frac": (demand - kept_E.sum()).float() / demand.clamp(min=1).float(),
+            # tokens that asked for >= 1 real expert and got none / valid tokens
+            "dropped_tokens_frac": dropped_tok.float() / n_tok,
+            # expert load = kept routes of expert e / (K*T/E), its share under perfect balance:
+            # load_max is the busiest expert (<= ~capacity_factor when dropping), load_mean the
+            # fraction of all routes processed by real experts (1 - dropped - no-op shares).
+            "load_max": kept_E.max().float() * E / (K * n_tok),
+            "load_mean": kept_E.float().mean() * E / (K * n_tok),
+            "lb_loss": lb.detach(),
+            "z_loss": z.detach(),
+        }
+        if self.N:
+            metrics["noop_frac"] = noop_TK.sum().float() / (K * n_tok)  # share of routes to no-ops
+        return Routing(idx_TK, w_TK, keep_TK, pos_TK, order_R, cap_buf, counts_E, kept_E, aux, metrics, engaged_T)

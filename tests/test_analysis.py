@@ -1,0 +1,328 @@
+"""analysis/ on REAL event files written by tiny runs of the trainer (`mode train`).
+
+The session fixture trains, in a temporary RUNS_DIR:
+  dense_seed0  12 steps with checkpoints at 6 and 12; then the step-12 checkpoint and DONE are
+               removed (a crash after logging step 12 but before saving it) and the run is
+               resumed to step 16: it restarts from step 6 and re-logs steps 8..12 into a
+               second event file, which the reader must merge (latest write wins);
+  dense_seed1  another seed, so the table shows a spread over seeds;
+  mod_seed0, mode_integrated_seed0
+               depth routing and integrated MoDE (their tiny presets, or the dense one with
+               overrides while the presets do not exist), with routing dumps.
+Expected numbers are read independently with tensorboard's EventAccumulator, file by file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import isoflop, report, routing, tb
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["train.eval_every=6", "train.log_every=2", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
+        "data.max_documents=20", "data.seq_len=64", "model.max_seq_len=64", "train.micro_batch_size=4",
+        "train.eval_batches=2", "checkpoint.every=6", "log.routing_dump=true", "log.progress=false"]
+LOG_EVERY = 2
+# Routed variants: their tiny preset when it exists, else the dense preset made into the variant.
+VARIANT_OVERRIDES = {
+    "mod": ["model.mod.layers=every_other", "model.mod.capacity=0.25", "run.name=mod"],
+    "mode_integrated": ["model.moe.layers=every_other", "model.moe.num_experts=4", "model.moe.num_noop_experts=2",
+                        "model.moe.capacity_factor=1.0", "run.name=mode_integrated"],
+}
+
+
+def train(config: str, run_dir: Path, max_steps: int, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "mode.cli", "train", "--config", config, f"run.dir={run_dir}",
+           f"train.max_steps={max_steps}", *TINY, *overrides]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    dense = root / "dense_seed0"
+    train("configs/tiny/dense.yaml", dense, 12)
+    shutil.rmtree(dense / "checkpoints" / "step_00000012")
+    (dense / "DONE").unlink()
+    train("configs/tiny/dense.yaml", dense, 16)
+    train("configs/tiny/dense.yaml", root / "dense_seed1", 12, "train.seed=1")
+    for variant, overrides in VARIANT_OVERRIDES.items():
+        if (ROOT / f"configs/tiny/{variant}.yaml").is_file():
+            train(f"configs/tiny/{variant}.yaml", root / f"{variant}_seed0", 12)
+        else:
+            train("configs/tiny/dense.yaml", root / f"{variant}_seed0", 12, *overrides)
+    return root
+
+
+@pytest.fixture(scope="session")
+def report_dir(runs_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report")
+    assert report.analyze(runs_dir, out) == out / "report.md"
+    return out
+
+
+def need(runs_dir: Path, variant: str) -> Path:
+    assert (runs_dir / f"{variant}_seed0" / "DONE").is_file()
+    return runs_dir / f"{variant}_seed0"
+
+
+# ----------------------------------------------------------------------------------------------
+# An independent reading of the event files: tensorboard's EventAccumulator, one file at a time.
+
+
+def raw_by_file(run_dir: Path) -> list[dict[str, dict[int, tuple[float, float]]]]:
+    """Per event file (oldest first): {tag: {step: (value, wall_time)}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=lambda p: float(p.name.split(".")[3]))
+    out = []
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        out.append({tag: {e.step: (e.value, e.wall_time) for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]})
+    return out
+
+
+def raw_merged(run_dir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}}, the latest write by wall time winning."""
+    best: dict[str, dict[int, tuple[float, float]]] = {}
+    for per_file in raw_by_file(run_dir):
+        for tag, pts in per_file.items():
+            for step, (value, wall) in pts.items():
+                if step not in best.setdefault(tag, {}) or wall >= best[tag][step][1]:
+                    best[tag][step] = (value, wall)
+    return {tag: {s: v for s, (v, _) in sorted(pts.items())} for tag, pts in best.items()}
+
+
+def last(series: dict[int, float]) -> float:
+    return series[max(series)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading.
+
+
+def test_resumed_run_is_merged_latest_write_wins(runs_dir):
+    dense = runs_dir / "dense_seed0"
+    files = raw_by_file(dense)
+    assert len(files) == 2, "the resume should have appended a second event file"
+    first, second = files
+    relogged = sorted(set(first["train/loss"]) & set(second["train/loss"]))
+    assert relogged == [8, 10, 12], relogged  # restarted from the step-6 checkpoint
+
+    run = tb.load_run(dense)
+    assert run.variant == "dense" and run.seed == 0 and run.done
+    for tag in ("train/loss", "perf/step_time_s", "perf/elapsed_s", "train/tokens"):
+        steps, values = run.series(tag)
+        assert steps.tolist() == list(range(LOG_EVERY, 17, LOG_EVERY)), (tag, steps)  # continuous, no duplicates
+        for step in relogged:  # the second process's writes replaced the first's
+            pt = next(p for p in run.scalars[tag] if p.step == step)
+            assert (pt.value, pt.wall_time) == pytest.approx(second[tag][step]), (tag, step)
+            assert pt.wall_time > first[tag][step][1]
+        for step in (2, 4, 6):  # logged once, by the first process
+            assert values[steps.tolist().index(step)] == pytest.approx(first[tag][step][0])
+    eval_steps = run.series("eval/loss")[0].tolist()
+    assert eval_steps == sorted(set(eval_steps)) and {6, 12, 16} <= set(eval_steps), eval_steps
+    assert run.last("eval/loss") == pytest.approx(second["eval/loss"][16][0])
+    # cumulative counters survive the resume: tokens grow by tokens_per_step every step
+    steps, tokens = run.series("train/tokens")
+    np.testing.assert_allclose(tokens, steps * run.info["tokens_per_step"])
+
+
+def test_rows_are_keyed_by_run_variant_seed_tag_step(runs_dir):
+    runs = tb.load_runs(runs_dir)
+    assert {r.name for r in runs} >= {"dense_seed0", "dense_seed1"}
+    rows = tb.to_rows(runs)
+    keys = [(r.run, r.tag, r.step) for r in rows]
+    assert len(keys) == len(set(keys))
+    by_key = {(r.run, r.tag, r.step): r for r in rows}
+    for run in ("dense_seed0", "dense_seed1"):
+        for tag, pts in raw_merged(runs_dir / run).items():
+            for step, value in pts.items():
+                row = by_key[(run, tag, step)]
+                assert row.value == pytest.approx(value) and row.variant == "dense"
+                assert row.seed == int(run[-1])
+
+
+def test_in_progress_run_with_truncated_event_file_and_no_metadata(runs_dir, tmp_path):
+    """A run still writing: last record cut in half, no DONE, no run_info.json yet."""
+    src = runs_dir / "dense_seed1"
+    live = tmp_path / "runs" / "dense_seed7"
+    shutil.copytree(src / "tb", live / "tb")
+    f = next((live / "tb").glob("events.out.tfevents.*"))
+    data = f.read_bytes()
+    f.write_bytes(data[:-7])
+    run = tb.load_run(live)
+    assert run.variant == "dense" and run.seed == 7 and not run.done  # from the directory name
+    full = raw_merged(src)
+    for tag, pts in run.scalars.items():
+        got = {p.step: p.value for p in pts}
+        assert set(got) <= set(full[tag]) and all(got[s] == pytest.approx(full[tag][s]) for s in got)
+    assert sum(len(p) for p in run.scalars.values()) == sum(len(p) for p in full.values()) - 1  # only the cut one
+    out = report.analyze(tmp_path / "runs", tmp_path / "out")
+    text = out.read_text()
+    assert "dense_seed7" in text and "no DONE" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# The report.
+
+
+def test_table_holds_logged_numbers(runs_dir, report_dir):
+    summary = json.loads((report_dir / "summary.json").read_text())
+    text = (report_dir / "report.md").read_text()
+    dense = summary["dense"]
+    assert dense["seeds"] == [0, 1]
+    per_run = {r["run"]: r for r in dense["runs"]}
+    evals, rates = [], []
+    for name in ("dense_seed0", "dense_seed1"):
+        raw = raw_merged(runs_dir / name)
+        info = json.loads((runs_dir / name / "run_info.json").read_text())
+        s = per_run[name]
+        assert s["eval_loss"] == pytest.approx(last(raw["eval/loss"]))
+        assert s["params"] == info["params"] and s["flops_per_token"] == pytest.approx(info["forward_flops_per_token"])
+        tps = list(raw["perf/tokens_per_s"].values())
+        assert s["tokens_per_s"] == pytest.approx(np.median(tps[1:]))
+        assert s["step_time_s"] == pytest.approx(np.median(list(raw["perf/step_time_s"].values())[1:]))
+        assert s["eval_loss_causal"] is None and s["dropped_tokens_frac"] is None  # dense logs no routing
+        evals.append(last(raw["eval/loss"]))
+        rates.append(s["tokens_per_s"])
+    assert dense["eval_loss"]["mean"] == pytest.approx(np.mean(evals))
+    assert dense["eval_loss"]["std"] == pytest.approx(np.std(evals, ddof=1))
+    assert dense["eval_loss"]["n"] == 2
+    # the markdown table shows the same numbers
+    row = next(line for line in text.splitlines() if line.startswith("| `dense` |"))
+    assert f"{np.mean(evals):.4f} ± {np.std(evals, ddof=1):.4f}" in row
+    assert f"{np.mean(rates):.0f}" in row or f"{np.mean(rates):.3g}" in row
+
+
+def test_table_routing_columns(runs_dir, report_dir):
+    mod_dir = need(runs_dir, "mod")
+    raw = raw_merged(mod_dir)
+    s = json.loads((report_dir / "summary.json").read_text())["mod"]["runs"][0]
+    assert s["eval_loss"] == pytest.approx(last(raw["eval/loss"]))
+    assert s["eval_loss_causal"] == pytest.approx(last(raw["eval/loss_causal"]))
+    assert s["causal_gap"] == pytest.approx(last(raw["eval/loss_causal"]) - last(raw["eval/loss"]))
+    acc = [last(v) for k, v in raw.items() if k.startswith("mod/layer") and k.endswith("/predictor_acc")]
+    assert acc, "the MoD run should log predictor accuracy per routed layer"
+    assert s["predictor_acc"] == pytest.approx(np.mean(acc))
+
+
+def test_table_expert_columns(runs_dir, report_dir):
+    run_dir = need(runs_dir, "mode_integrated")
+    raw = raw_merged(run_dir)
+    s = json.loads((report_dir / "summary.json").read_text())["mode_integrated"]["runs"][0]
+    for key in ("dropped_tokens_frac", "noop_frac"):
+        vals = [last(v) for k, v in raw.items() if k.startswith("moe/layer") and k.endswith("/" + key)]
+        assert vals, f"the integrated MoDE run should log {key} per MoE layer"
+        assert s[key] == pytest.approx(np.mean(vals))
+    assert_png(report_dir / "expert_load.png")
+    text = (report_dir / "report.md").read_text()
+    assert "(expert_load.png)" in text and "load max/mean" in text
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image as mpimg
+
+    assert path.is_file() and path.stat().st_size > 2000, path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.01, f"{path} looks blank"
+
+
+def test_figures_are_written(report_dir):
+    text = (report_dir / "report.md").read_text()
+    for name in ("loss_vs_step.png", "loss_vs_flops.png", "loss_vs_time.png", "routing_per_layer.png"):
+        assert_png(report_dir / name)
+        assert f"({name})" in text
+
+
+def test_routing_analysis(runs_dir, report_dir):
+    mod_dir = need(runs_dir, "mod")
+    dump = routing.load_dump(mod_dir / "routing.pt")
+    L, B, S = dump.engaged_LBS.shape
+    assert L == 2 and S == 64
+    stats = routing.engagement_vs_entropy(dump)
+    n_blocks = dump.engaged_LBS.sum(0).ravel()
+    assert stats.n_blocks_T.tolist() == n_blocks.tolist()
+    if n_blocks.std() > 0:
+        assert stats.pearson_r == pytest.approx(np.corrcoef(n_blocks, dump.entropy_BS.ravel())[0, 1])
+    assert sum(b[1] for b in stats.bins) == B * S
+    text = (report_dir / "report.md").read_text()
+    assert "Pearson" in text
+    assert_png(report_dir / "entropy_vs_blocks_mod.png")
+    assert_png(report_dir / "routing_heatmap_mod.png")
+    # per-layer processed fraction measured on the dump: the routed layer processes ~capacity
+    frac = routing.processed_frac_per_layer(dump)
+    assert frac[0] == 1.0 and 0 < frac[1] < 1
+
+
+def test_dense_routing_dump_has_no_correlation(runs_dir):
+    dump = routing.load_dump(runs_dir / "dense_seed0" / "routing.pt")
+    assert dump.engaged_LBS.all()
+    assert math.isnan(routing.engagement_vs_entropy(dump).pearson_r)
+    assert routing.token_labels(np.array([100, 32, 10, 256, 200]), True) == ["d", "␣", "⏎", "¶", "·"]
+
+
+def test_cli(runs_dir, tmp_path):
+    out = tmp_path / "cli_out"
+    proc = subprocess.run([sys.executable, "-m", "mode.cli", "analyze", str(runs_dir), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("report.md") and (out / "report.md").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# isoFLOP (pure functions; the grid itself is too expensive for the unit tests).
+
+
+def fake_run(variant: str, params: float, fpt: float, steps: int, loss: float) -> tb.Run:
+    return tb.Run(Path(f"/nonexistent/{variant}_{params:g}"), variant, 0,
+                  info={"params": params, "forward_flops_per_token": fpt, "tokens_per_step": 1000},
+                  config={"train": {"max_steps": steps}},
+                  scalars={"eval/loss": [tb.Point(steps, loss, 0.0)]})
+
+
+def test_isoflop_groups_budgets_and_finds_the_best_size(tmp_path):
+    runs = []
+    for budget in (1e12, 1e13):
+        n_opt = 3e5 * math.sqrt(budget / 1e12)
+        for params in (1e5, 3e5, 1e6, 3e6):
+            fpt = 6 * params
+            steps = round(budget / (3 * fpt * 1000) * (1.1 if params == 1e6 else 1.0))  # sizing is approximate
+            loss = 2 + 0.3 * (math.log10(params) - math.log10(n_opt)) ** 2
+            runs.append(fake_run("dense", params, fpt, steps, loss))
+    points = isoflop.collect_points(runs)
+    assert len({p.budget for p in points}) == 2
+    assert len(isoflop.collect_points(runs, budgets=[1e12, 1e13])) == 8
+    opts = isoflop.optima(isoflop.collect_points(runs, budgets=[1e12, 1e13]))
+    assert [o.method for o in opts] == ["parabola", "parabola"]
+    assert opts[0].params == pytest.approx(3e5, rel=0.15)
+    assert opts[1].params == pytest.approx(3e5 * math.sqrt(10), rel=0.15)
+    assert isoflop.size_for_budget(1e14, opts, "dense") == pytest.approx(3e6, rel=0.3)
+    lines = isoflop.isoflop_section(runs, tmp_path, budgets=[1e12, 1e13])
+    assert any("parabola" in line for line in lines)
+    assert_png(tmp_path / "isoflop.png")
+
+
+def test_isoflop_budget_from_experiment_yaml(tmp_path):
+    y = tmp_path / "isoflop.yaml"
+    y.write_text("isoflop:\n  budgets: [1.0e12, '3e12']\nvariants: {}\n")
+    assert isoflop.load_budgets(y) == [1e12, 3e12]
+    assert isoflop.assign_budgets([0.9e12, 2.5e12, 3.3e12], [1e12, 3e12]) == [1e12, 3e12, 3e12]
+    # without named budgets: clusters within 25%
+    labels = isoflop.assign_budgets([1.0, 1.1, 5.0, 5.5])
+    assert labels[0] == labels[1] != labels[2] == labels[3]
+    # fewer than three sizes: the best observed one
+    n, loss, method, _ = isoflop.fit_optimum(np.array([1e5, 1e6]), np.array([2.5, 2.1]))
+    assert (n, loss, method) == (1e6, 2.1, "observed")

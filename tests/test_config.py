@@ -1,0 +1,70 @@
+"""Config schema, inheritance, overrides and one-line errors (before any worker starts)."""
+from pathlib import Path
+
+import pytest
+
+from mode.config import ConfigError, load_config, markdown_reference
+from tests.util import ROOT, mode_cli
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
+                                        if "experiments" not in p.parts))
+def test_every_yaml_loads(path):
+    cfg = load_config(ROOT / path)
+    assert cfg.model.d_model > 0
+
+
+def test_base_inheritance_and_overrides(tmp_path):
+    (tmp_path / "a.yaml").write_text("model: {d_model: 64, n_heads: 2}\ntrain: {max_steps: 7}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmodel: {n_layers: 3}\n")
+    cfg = load_config(tmp_path / "b.yaml", ["train.max_steps=9", "optim.lr=1e-3", "model.moe.capacity_factor=null"])
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads) == (64, 3, 2)
+    assert cfg.train.max_steps == 9 and cfg.optim.lr == 1e-3 and cfg.model.moe.capacity_factor is None
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.d_modle=3", "did you mean model.d_model"),
+    ("model.d_model=abc", "model.d_model='abc'"),
+    ("model.mod.capacity=1.5", "model.mod.capacity=1.5: a fraction in (0, 1]"),
+    ("deepspeed.zero_stage=3", "deepspeed.zero_stage=3"),
+    ("data.source=/nonexistent/file.txt", "data.source='/nonexistent/file.txt'"),
+    ("model.n_heads=5", "model.n_heads=5"),
+    ("model.moe.top_k=9", "model.moe.top_k=9"),
+])
+def test_bad_values_name_key_value_and_allowed(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/tiny/dense.yaml", [override])
+    msg = str(e.value)
+    assert msg.startswith("config error:") and needle in msg and "\n" not in msg
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "model.mod.capacity=0", f"run.dir={tmp_path}/r",
+                 check=False)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: model.mod.capacity=0"), r.stderr
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_cli_missing_config_file():
+    r = mode_cli("train", "--config", "nope.yaml", check=False)
+    assert r.returncode == 2 and r.stderr.strip().startswith("config error: --config='nope.yaml'")
+
+
+def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
+    r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "model.vocab_size=200", f"run.dir={tmp_path}/r",
+                 check=False)
+    assert r.returncode == 2 and "model.vocab_size=200" in r.stderr
+
+
+def test_print_config_resolves():
+    r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17", "--print-config")
+    assert "max_steps: 17" in r.stdout and "d_model: 128" in r.stdout
+
+
+def test_every_field_documented():
+    md = markdown_reference()
+    assert "| `model.mod.capacity` |" in md
+    assert all(line.rstrip().endswith("|") and not line.rstrip().endswith("|  |")
+               for line in md.splitlines() if line.startswith("| `"))

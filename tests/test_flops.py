@@ -1,0 +1,52 @@
+"""Analytic FLOPs/params (mode/flops.py) against FlopCounterMode and numel() on the real modules."""
+import json
+
+import pytest
+import torch
+
+from mode.config import load_config
+from mode.flops import count, flop_counter
+from mode.model import build_model
+from tests.util import ROOT, mode_cli
+
+BASE = ["model.d_model=64", "model.n_heads=4", "model.d_ff=256", "model.n_layers=4", "data.seq_len=256",
+        "model.max_seq_len=256"]
+
+VARIANTS = {
+    "dense": [],
+    "dense_gelu_untied": ["model.mlp=gelu", "model.tie_embeddings=false"],
+    "mod": ["model.mod.layers=every_other", "model.mod.capacity=0.125"],
+    "mod_every_aux": ["model.mod.layers=every", "model.mod.capacity=0.25", "model.mod.causal=aux_loss"],
+}
+
+
+def measured(cfg, batch=2):
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    x = torch.randint(0, 256, (batch, cfg.data.seq_len))
+    with flop_counter() as fc, torch.no_grad():
+        model(x)
+    return fc.get_total_flops() / x.numel(), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_analytic_matches_flop_counter(name):
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", BASE + VARIANTS[name])
+    flops, params = measured(cfg)
+    c = count(cfg)
+    assert c["params"] == params
+    assert abs(c["forward_flops_per_token"] - flops) / flops < 0.02, (c["forward_flops_per_token"], flops)
+
+
+def test_mod_costs_less_than_dense():
+    dense = count(load_config(ROOT / "configs/tiny/dense.yaml", BASE))
+    mod = count(load_config(ROOT / "configs/tiny/dense.yaml", BASE + VARIANTS["mod"]))
+    assert mod["forward_flops_per_token"] < 0.8 * dense["forward_flops_per_token"]
+
+
+def test_cli_json():
+    r = mode_cli("flops", "--config", "configs/tiny/dense.yaml", "--json")
+    c = json.loads(r.stdout)
+    assert c["params"] > 0 and c["forward_flops_per_token"] > 0
+    table = mode_cli("flops", "--config", "configs/tiny/dense.yaml").stdout
+    assert "dense" in table and "GFLOPs" in table

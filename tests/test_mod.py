@@ -1,0 +1,316 @@
+"""Mixture-of-Depths: each test names the bug it catches.
+
+Shape legend: B batch, S sequence, K selected per row, D d_model, H heads, E head dim, V vocab.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.config import ModConfig, ModelConfig, load_config
+from mode.mod import MoDBlock
+from mode.model import build_model
+from mode.model.blocks import DenseBlock
+from mode.routing.depth import DepthRouter, capacity_k, topk_sorted
+
+D, H, S = 32, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny ops: a second OpenMP thread only adds sync cost, and spins badly on a loaded machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model_cfg(layers="every_other", capacity=0.25, **mod):
+    return ModelConfig(vocab_size=64, d_model=D, n_layers=4, n_heads=H, d_ff=64, max_seq_len=64,
+                       mod=ModConfig(layers=layers, capacity=capacity, **mod))
+
+
+def mod_block(capacity=0.25, seed=0, sharp=False, **mod):
+    """A MoDBlock around a dense block; `sharp` scales attention weights up so that attention is
+    far from uniform (at init std 0.02 it barely depends on positions)."""
+    torch.manual_seed(seed)
+    cfg = model_cfg("every", capacity, **mod)
+    inner = DenseBlock(cfg)
+    for p in inner.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=(2.0 if sharp else 1.0) / p.shape[1] ** 0.5)
+    blk = MoDBlock(inner, cfg.mod, D, 0)
+    torch.nn.init.normal_(blk.router.router.weight, std=1.0 / D ** 0.5)
+    return blk
+
+
+def spread_causal(model, std=3.0):
+    """An untrained predictor outputs ~0 for every token; spread it so causal routing selects
+    some tokens and skips others."""
+    for b in model.blocks:
+        if isinstance(b, MoDBlock):
+            lin = b.router.predictor[2] if b.router.predictor is not None else b.router.router
+            torch.nn.init.normal_(lin.weight, std=std / lin.weight.shape[1] ** 0.5)
+
+
+def inputs(B=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, D, generator=g), torch.arange(S).expand(B, S)
+
+
+def test_capacity_k():
+    assert capacity_k(0.125, 2048) == 256 and capacity_k(0.125, 4) == 1 and capacity_k(1.0, 7) == 7
+    assert capacity_k(0.01, 10) == 1  # never zero tokens
+
+
+def test_capacity_one_gate_one_reproduces_wrapped_block_exactly():
+    # Bugs caught: residual multiplied by r, positions re-indexed, a different causal mask,
+    # a lost token, anything that makes the routed path compute something else.
+    blk = mod_block(capacity=1.0)
+    blk.gate = lambda r: torch.ones_like(r)
+    x, pos = inputs()
+    assert torch.equal(blk(x, pos), x + blk.inner(x, pos))
+    # Whole LM: every block routed at capacity 1 == the dense LM with the same weights.
+    torch.manual_seed(0)
+    dense = build_model(model_cfg("none"))
+    routed = build_model(model_cfg("every", 1.0))
+    state = {k.replace("blocks.", "blocks.").replace(".attn", ".inner.attn").replace(".mlp", ".inner.mlp")
+             .replace(".norm_attn", ".inner.norm_attn").replace(".norm_mlp", ".inner.norm_mlp"): v
+             for k, v in dense.state_dict().items()}
+    missing, unexpected = routed.load_state_dict(state, strict=False)
+    assert not unexpected and all(".router." in k for k in missing)
+    for b in routed.blocks:
+        b.gate = lambda r: torch.ones_like(r)
+    ids = torch.randint(0, 64, (2, S))
+    assert torch.equal(routed(ids).logits, dense(ids).logits)
+    for b in routed.blocks:  # sanity: the paper's gate g(r) = r does change the output
+        b.gate = lambda r: r
+    assert not torch.allclose(routed(ids).logits, dense(ids).logits)
+
+
+def test_topk_matches_bruteforce_and_unselected_are_bit_identical():
+    blk = mod_block(capacity=0.25)
+    x, pos = inputs()
+    out = blk(x, pos)
+    r = blk.router.scores(x)
+    k = capacity_k(0.25, S)
+    for b in range(x.shape[0]):  # brute force, row by row, in plain Python
+        ref = sorted(sorted(range(S), key=lambda j: -float(r[b, j].detach()))[:k])
+        assert topk_sorted(r, k)[b].tolist() == ref
+        assert blk.last_selected_BS[b].nonzero().flatten().tolist() == ref
+        sel = torch.zeros(S, dtype=torch.bool)
+        sel[ref] = True
+        assert torch.equal(out[b, ~sel], x[b, ~sel])  # unselected: the very same bits
+        assert (out[b, sel] != x[b, sel]).any(-1).all()  # selected: updated
+    assert int(blk.last_selected_BS.sum()) == k * x.shape[0]
+
+
+def test_unselected_bit_identical_in_bf16_and_causal_routing():
+    blk = mod_block(capacity=0.25).to(torch.bfloat16)
+    x, pos = inputs()
+    x = x.bfloat16()
+    for routing in ("topk", "causal"):
+        out = blk(x, pos, routing=routing)
+        sel = blk.last_selected_BS
+        assert 0 < int(sel.sum()) < sel.numel()
+        assert torch.equal(out[~sel], x[~sel])
+
+
+def _rope_ref(x_KHE, pos_K, theta=10000.0):
+    """Independent rotary: pairs (2i, 2i+1) as complex numbers rotated by pos * theta^(-2i/E)."""
+    E = x_KHE.shape[-1]
+    freq = theta ** (-torch.arange(0, E, 2, dtype=torch.float64) / E)
+    rot = torch.polar(torch.ones(len(pos_K), E // 2, dtype=torch.float64), pos_K[:, None].double() * freq)
+    z = torch.view_as_complex(x_KHE.double().reshape(*x_KHE.shape[:-1], E // 2, 2).contiguous())
+    return torch.view_as_real(z * rot[:, None]).flatten(-2).float()
+
+
+def _block_ref(blk, x_KD, pos_K):
+    """The dense block on K tokens at the given positions, written out from the weights."""
+    inner = blk.inner
+
+    def norm(m, v):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + m.eps) * m.weight
+
+    K = x_KD.shape[0]
+    q, k, v = (norm(inner.norm_attn, x_KD) @ inner.attn.qkv.weight.T).view(K, 3, H, D // H).unbind(1)
+    q, k = _rope_ref(q, pos_K), _rope_ref(k, pos_K)
+    att = torch.einsum("qhe,khe->hqk", q, k) / (D // H) ** 0.5
+    att = att.masked_fill(~torch.ones(K, K, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    a = torch.einsum("hqk,khe->qhe", att, v).reshape(K, D) @ inner.attn.out.weight.T
+    gate, up = (norm(inner.norm_mlp, x_KD + a) @ inner.mlp.w_in.weight.T).chunk(2, -1)
+    return a + (F.silu(gate) * up) @ inner.mlp.w_out.weight.T
+
+
+def test_gathered_tokens_see_their_original_rotary_positions():
+    # Bug caught: gathered tokens given positions 0..k-1 (sramshetty/mixture-of-depths).
+    blk = mod_block(capacity=0.375, sharp=True)
+    x, pos = inputs(B=2)
+    with torch.no_grad():
+        out = blk(x, pos)
+        r = blk.router.scores(x)
+    for b in range(2):
+        idx = blk.last_selected_BS[b].nonzero().flatten()
+        assert (idx.diff() > 1).any(), "want gaps so that re-indexing changes distances"
+        want = x[b, idx] + r[b, idx, None] * _block_ref(blk, x[b, idx], idx)
+        torch.testing.assert_close(out[b, idx], want, rtol=1e-4, atol=1e-5)
+        reindexed = x[b, idx] + r[b, idx, None] * _block_ref(blk, x[b, idx], torch.arange(len(idx)))
+        assert (out[b, idx] - reindexed).abs().max() > 1e-3  # re-indexed positions are detectably wrong
+
+
+def test_causal_ragged_path_matches_per_row_reference():
+    # Bug caught: padding of the ragged causal batch leaking into real tokens or rows.
+    blk = mod_block(capacity=0.25)
+    torch.nn.init.normal_(blk.router.predictor[2].weight, std=3.0 / blk.router.predictor[2].weight.shape[1] ** 0.5)
+    x, pos = inputs(B=4)
+    with torch.no_grad():
+        out = blk(x, pos, routing="causal")
+        r = blk.router.scores(x)
+    sel = blk.last_selected_BS
+    assert len(set(sel.sum(1).tolist())) > 1, "rows should select different counts"
+    for b in range(4):
+        idx = sel[b].nonzero().flatten()
+        want = x[b].clone()
+        want[idx] = x[b, idx] + r[b, idx, None] * blk.inner(x[b, idx][None], idx[None])[0]
+        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gate", ["identity", "sigmoid"])
+def test_router_receives_gradient(gate):
+    # Bug caught: an output that does not multiply the update by g(r) leaves the router untrained.
+    torch.manual_seed(0)
+    model = build_model(model_cfg(gate=gate, causal="predictor"))
+    ids = torch.randint(0, 64, (2, S + 1))
+    out = model(ids[:, :-1], ids[:, 1:])
+    out.loss.backward()  # the LM loss alone (no aux loss) must reach the router
+    for b in model.blocks:
+        if isinstance(b, MoDBlock):
+            assert b.router.router.weight.grad.abs().sum() > 0
+            assert b.inner.attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_sigmoid_gate_scales_the_update():
+    blk = mod_block(capacity=1.0, gate="sigmoid")
+    x, pos = inputs()
+    want = x + torch.sigmoid(blk.router.scores(x))[..., None] * blk.inner(x, pos)
+    torch.testing.assert_close(blk(x, pos), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_batch_rows_are_independent(routing):
+    # Bug caught: top-k over the flattened batch, or any cross-row mixing.
+    blk = mod_block(capacity=0.25)
+    torch.nn.init.normal_(blk.router.predictor[2].weight, std=0.5)
+    x, pos = inputs(B=3)
+    x2 = x.clone()
+    x2[1] = torch.randn(S, D)
+    with torch.no_grad():
+        out, out2 = blk(x, pos, routing=routing), blk(x2, pos, routing=routing)
+        alone = blk(x[:1], pos[:1], routing=routing)
+    for b in (0, 2):
+        torch.testing.assert_close(out2[b], out[b], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(alone[0], out[0], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out2[1], out[1])
+    if routing == "topk":  # same shapes for every row: the very same bits
+        assert torch.equal(out2[0], out[0]) and torch.equal(out2[2], out[2])
+
+
+def _grads(model, weight, detach=True, monkeypatch=None):
+    torch.manual_seed(0)
+    model = build_model(model_cfg(causal="predictor", predictor_loss_weight=weight))
+    ids = torch.randint(0, 64, (2, S + 1), generator=torch.Generator().manual_seed(5))
+    out = model(ids[:, :-1], ids[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_predictor_loss_does_not_change_lm_gradients(monkeypatch):
+    # Bug caught: a predictor fed the router input without stop-gradient trains the LM.
+    g0, g1 = _grads(None, 0.0), _grads(None, 1.0)
+    pred = [n for n in g0 if ".predictor." in n]
+    assert pred and all(g1[n].abs().sum() > 0 for n in pred)
+    for n in g0:
+        if n not in pred:
+            assert torch.equal(g0[n], g1[n]), n
+    # The check is sensitive: without the stop-gradient some LM gradient moves.
+    monkeypatch.setattr(DepthRouter, "causal_logits",
+                        lambda self, x, r: self.predictor(x).squeeze(-1).float())
+    g1_leak = _grads(None, 1.0)
+    assert any(not torch.equal(g0[n], g1_leak[n]) for n in g0 if n not in pred)
+
+
+def test_aux_loss_trains_the_router():
+    def router_grad(weight):
+        torch.manual_seed(0)
+        model = build_model(model_cfg(causal="aux_loss", aux_loss_weight=weight))
+        ids = torch.randint(0, 64, (2, S + 1), generator=torch.Generator().manual_seed(5))
+        out = model(ids[:, :-1], ids[:, 1:])
+        (out.loss + out.aux_loss).backward()
+        assert "mod/layer1/router_bce" in out.metrics and "mod/layer1/predictor_acc" not in out.metrics
+        return model.blocks[1].router.router.weight.grad.clone()
+
+    assert not torch.equal(router_grad(0.0), router_grad(1.0))
+
+
+@pytest.mark.parametrize("layers,causal", [("every_other", "predictor"), ("every", "aux_loss"), ("every", "both")])
+def test_causal_routing_never_looks_ahead(layers, causal):
+    torch.manual_seed(0)
+    model = build_model(model_cfg(layers, 0.25, causal=causal)).eval()
+    spread_causal(model)
+    ids = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(2))
+    later = ids.clone()
+    t = S // 2
+    later[:, t + 1:] = torch.randint(0, 64, (2, S - t - 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a = model(ids, routing="causal").logits
+        sel = torch.stack([b.last_selected_BS for b in model.blocks if isinstance(b, MoDBlock)])
+        b = model(later, routing="causal").logits
+        torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=1e-5, atol=1e-6)
+        assert 0 < int(sel.sum()) < sel.numel()  # a real mix of processed and skipped tokens
+        # Sanity: top-k routing DOES look ahead (later tokens change which early tokens win).
+        ta, tb = model(ids).logits, model(later).logits
+        assert not torch.allclose(ta[:, : t + 1], tb[:, : t + 1])
+
+
+def test_stochastic_routing_control():
+    torch.manual_seed(0)
+    model = build_model(model_cfg(routing="stochastic"))
+    ids = torch.randint(0, 64, (2, S + 1))
+    out = model(ids[:, :-1], ids[:, 1:])
+    sel1 = model.blocks[1].last_selected_BS
+    (out.loss + out.aux_loss).backward()
+    assert torch.isfinite(out.loss) and model.blocks[1].router.router.weight.grad.abs().sum() > 0
+    model(ids[:, :-1])
+    sel2 = model.blocks[1].last_selected_BS
+    k = capacity_k(0.25, S)
+    assert sel1.sum(1).tolist() == [k, k] and not torch.equal(sel1, sel2)  # random, at capacity
+    learned = build_model(model_cfg())
+    learned(ids[:, :-1])
+    s1 = learned.blocks[1].last_selected_BS
+    learned(ids[:, :-1])
+    assert torch.equal(s1, learned.blocks[1].last_selected_BS)  # learned routing is deterministic
+
+
+def test_metrics_and_module_hygiene():
+    model = build_model(model_cfg())
+    pickle.loads(pickle.dumps(model))  # no lambdas on the module
+    copy.deepcopy(model)
+    out = model(torch.randint(0, 64, (2, S)))
+    for key in ("predictor_acc", "predictor_loss", "router_mean", "router_std", "causal_processed_frac", "aux_loss"):
+        assert f"mod/layer1/{key}" in out.metrics and f"mod/layer3/{key}" in out.metrics
+    assert float(out.aux_loss.detach()) > 0
+
+
+@pytest.mark.parametrize("path", ["configs/tiny/mod.yaml", "configs/cluster/mod.yaml"])
+def test_presets(path):
+    import os
+
+    base = os.path.join(os.path.dirname(path), "dense.yaml")
+    if not os.path.exists(base):
+        pytest.skip(f"{base} not written yet")
+    cfg = load_config(path)
+    m = cfg.model.mod
+    assert (m.layers, m.capacity, m.causal, m.routing) == ("every_other", 0.125, "predictor", "learned")
+    assert cfg.run.dir.endswith("/mod")

@@ -1,0 +1,61 @@
+"""Helpers for tests that run the real CLI, the DeepSpeed launcher and TensorBoard files."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEEPSPEED = str(Path(PY).parent / "deepspeed")
+
+# Small enough that a run of a few dozen steps takes seconds on 2 cores.
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "data.seq_len=32",
+        "data.max_documents=24", "train.micro_batch_size=4", "train.eval_batches=2", "log.progress=false"]
+
+
+def env(threads: int = 1) -> dict:
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    e.pop("RANK", None)
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mode_cli(*args, check=True, timeout=600, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([PY, "-m", "mode.cli", *map(str, args)], cwd=ROOT, env=env(2), capture_output=True,
+                       text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"mode {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+def deepspeed_train(nproc: int, config: str, *overrides, check=True, timeout=600) -> subprocess.CompletedProcess:
+    cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", "mode.train",
+           "--config", config, *map(str, overrides)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"deepspeed run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def scalars(run_dir, tag: str) -> dict[int, float]:
+    """step -> value from the run's TensorBoard files (latest write wins on resumed runs)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, tuple[float, float]] = {}
+    for f in sorted(Path(run_dir, "tb").glob("events.out.tfevents.*")):
+        ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        ea.Reload()
+        if tag in ea.Tags()["scalars"]:
+            for e in ea.Scalars(tag):
+                if e.step not in out or e.wall_time >= out[e.step][0]:
+                    out[e.step] = (e.wall_time, e.value)
+    return {s: v for s, (_, v) in sorted(out.items())}
