@@ -244,7 +244,7 @@ def isoflop_section(runs: list[Run], out_dir: Path, budgets: list[float] | None 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.isoflop",
-                                description="isoFLOP curves (final loss vs size per budget) of the runs under RUNS_DIR.")
+                                description="isoFLOP curves: final loss vs size per budget, runs under RUNS_DIR.")
     p.add_argument("runs_dir", metavar="RUNS_DIR")
     p.add_argument("--experiment", metavar="YAML", help="experiment YAML naming the FLOP budgets (`budgets:`)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: RUNS_DIR/report)")
