@@ -47,7 +47,7 @@ class MoDBlock(nn.Module, Routed):
         B, S, D = x_BSD.shape
         r_BS = self.router.scores(x_BSD)
         if cache is not None:
-            cache.write_B = None; return x_BSD + self.inner(x_BSD, pos_BS, None, cache)
+            return self._decode_step(x_BSD, pos_BS, r_BS, cache)
         if routing == "topk":
             # Learned: top-k of r. Stochastic (the paper's control): a random k; g(r) still
             # scales the update, so the router keeps its gradient either way.
