@@ -296,12 +296,27 @@ def load_imbalance(runs: list[Run]) -> dict[str, dict[int, float]]:
             for v in mx if v in mean}
 
 
-def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str], ylabel: str, title: str) -> None:
-    layers = sorted({i for d in data.values() for i in d})
-    width = 0.8 / max(1, len(data))
-    for j, (variant, d) in enumerate(data.items()):
-        xs = [layers.index(i) + (j - (len(data) - 1) / 2) * width for i in d]
-        ax.bar(xs, list(d.values()), width=width, color=colors[variant], label=variant)
+Panel = tuple  # (data {variant: {layer: value}}, ylabel, title[, overlay {variant: {layer: value}}])
+
+
+def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str], ylabel: str, title: str,
+                  overlay: dict[str, dict[int, float]] | None = None) -> None:
+    """Bars per (layer, variant); `overlay` values drawn as black diamonds on the same slots."""
+    overlay = overlay or {}
+    variants = list(dict.fromkeys([*data, *overlay]))
+    layers = sorted({i for d in (*data.values(), *overlay.values()) for i in d})
+    width = 0.8 / max(1, len(variants))
+
+    def xs(j: int, d: dict[int, float]) -> list[float]:
+        return [layers.index(i) + (j - (len(variants) - 1) / 2) * width for i in d]
+
+    for j, variant in enumerate(variants):
+        if variant in data:
+            ax.bar(xs(j, data[variant]), list(data[variant].values()), width=width, color=colors[variant],
+                   label=variant)
+        if variant in overlay:
+            ax.plot(xs(j, overlay[variant]), list(overlay[variant].values()), "D", color="k", ms=5,
+                    label="causal routing" if j == variants.index(next(iter(overlay))) else None)
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels([str(i) for i in layers])
     ax.set_xlabel("layer")
@@ -310,17 +325,16 @@ def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str],
     ax.grid(alpha=0.3, axis="y")
 
 
-def plot_per_layer(panels: list[tuple[dict[str, dict[int, float]], str, str]], colors: dict[str, str],
-                   path: Path) -> Path | None:
-    """One grouped bar chart per (data, ylabel, title) panel that has data."""
+def plot_per_layer(panels: list[Panel], colors: dict[str, str], path: Path) -> Path | None:
+    """One grouped bar chart per panel that has data."""
     import matplotlib.pyplot as plt
 
-    panels = [p for p in panels if p[0]]
+    panels = [p for p in panels if p[0] or (len(p) > 3 and p[3])]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    for ax, (data, ylabel, title) in zip(axes[0], panels):
-        _grouped_bars(ax, data, colors, ylabel, title)
+    for ax, (data, ylabel, title, *overlay) in zip(axes[0], panels):
+        _grouped_bars(ax, data, colors, ylabel, title, overlay[0] if overlay else None)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -424,8 +438,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if processed:
         lines += ["Fraction of tokens each block processes: "
                   + ", ".join(f"`{v}` from {src}" for v, (_, src) in processed.items()) + ".", ""]
-    fig = plot_per_layer([(processed_data, "fraction processed", "tokens processed per layer (top-k)"),
-                          (causal, "fraction processed", "causal routing (mod/*/causal_processed_frac)")],
+    fig = plot_per_layer([(processed_data, "fraction of tokens processed",
+                           "per layer: bars top-k, diamonds causal routing", causal)],
                          colors, out_dir / "routing_per_layer.png")
     if fig:
         lines += [f"![]({fig.name})", ""]

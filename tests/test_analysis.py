@@ -280,6 +280,10 @@ def test_cli(runs_dir, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("report.md") and (out / "report.md").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(empty)]) == 0
+    assert "No run directories" in (empty / "report" / "report.md").read_text()
 
 
 # ----------------------------------------------------------------------------------------------
