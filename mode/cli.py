@@ -16,9 +16,19 @@ def _flops(argv) -> int:
     p = argparse.ArgumentParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
     p.add_argument("--config", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
+    p.add_argument("--knob", default="model.mod.capacity", help="float field tuned by --match")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    c = count(load_config(a.config, a.overrides))
+    cfg = load_config(a.config, a.overrides)
+    if a.match:
+        from mode.flops import solve_knob
+
+        target = count(load_config(a.match))["forward_flops_per_token"]
+        v = solve_knob(cfg, a.knob, target, 1e-3, 1.0)
+        print(f"{a.knob}={v:.6g}  (target {target:.6g} FLOPs/token)")
+        cfg = load_config(a.config, a.overrides + [f"{a.knob}={v}"])
+    c = count(cfg)
     print(json.dumps(c) if a.json else format_table(c))
     return 0
 

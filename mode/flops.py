@@ -109,3 +109,24 @@ def format_table(c: dict) -> str:
     lines.append(f"model: {c['params']:,} params, {c['forward_flops_per_token'] / 1e9:.6f} GFLOPs forward per token "
                  f"(seq_len {c['seq_len']})")
     return "\n".join(lines)
+
+
+def solve_knob(cfg: Config, key: str, target_flops: float, lo: float, hi: float) -> float:
+    """Value of the float config field `key` (e.g. `model.mod.capacity`) whose forward FLOPs per
+    token come closest to `target_flops`; FLOPs must grow with the knob (bisection, then the
+    best of the discrete steps the knob induces)."""
+    import copy
+
+    def flops_at(v: float) -> float:
+        c = copy.deepcopy(cfg)
+        obj = c
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, v)
+        return count(c)["forward_flops_per_token"]
+
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if flops_at(mid) < target_flops else (lo, mid)
+    return min((lo, hi), key=lambda v: abs(flops_at(v) - target_flops))
