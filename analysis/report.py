@@ -260,12 +260,11 @@ def processed_frac_from_logs(run: Run) -> np.ndarray | None:
 def per_layer_processed(runs: list[Run]) -> dict[str, tuple[np.ndarray, str]]:
     """{variant: ([L] processed fraction averaged over seeds, source)}; from routing.pt where
     dumped (measured on an eval batch under top-k routing), else from the logs."""
-    from analysis.routing import load_dump, processed_frac_per_layer
+    from analysis.routing import processed_frac_per_layer, try_load_dump
 
     out = {}
     for variant, vruns in group_by_variant(runs).items():
-        dumps = [processed_frac_per_layer(load_dump(r.path / "routing.pt")) for r in vruns
-                 if (r.path / "routing.pt").is_file()]
+        dumps = [processed_frac_per_layer(d) for d in (try_load_dump(r.path / "routing.pt") for r in vruns) if d]
         if dumps and len({d.shape for d in dumps}) == 1:
             out[variant] = (np.mean(dumps, axis=0), "routing.pt")
             continue
@@ -368,10 +367,9 @@ def _routing_section(runs: list[Run], out_dir: Path) -> list[str]:
 
     lines = []
     for variant, vruns in group_by_variant(runs).items():
-        run = next((r for r in vruns if (r.path / "routing.pt").is_file()), None)
+        run, dump = next(((r, d) for r in vruns if (d := rt.try_load_dump(r.path / "routing.pt"))), (None, None))
         if run is None:
             continue
-        dump = rt.load_dump(run.path / "routing.pt")
         stats = rt.engagement_vs_entropy(dump)
         byte_tokens = run.cfg("data.tokenizer", "byte" if rt.looks_like_bytes(dump) else "") == "byte"
         scatter = rt.plot_engagement_vs_entropy(stats, out_dir / f"entropy_vs_blocks_{variant}.png",
@@ -391,9 +389,10 @@ def _routing_section(runs: list[Run], out_dir: Path) -> list[str]:
     return lines
 
 
-def analyze(runs_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: list[float] | None = None) -> Path:
     """Write report.md, summary.json and figures for every run under runs_dir; return report.md's path.
-    out_dir defaults to RUNS_DIR/report."""
+    out_dir defaults to RUNS_DIR/report. An isoFLOP section is added when the runs form an
+    isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are clustered."""
     runs_dir = Path(runs_dir)
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -463,7 +462,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     from analysis import isoflop
 
-    iso = isoflop.isoflop_section(runs, out_dir)
+    iso = isoflop.isoflop_section(runs, out_dir, budgets)
     if iso:
         lines += iso
 
@@ -495,10 +494,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mode analyze", description="Comparison report of the runs under RUNS_DIR.")
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
     p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
+    p.add_argument("--experiment", metavar="YAML", default=None,
+                   help="experiment YAML; its FLOP `budgets:` group an isoFLOP grid (else budgets are clustered)")
     args = p.parse_args(argv)
     if not Path(args.runs_dir).is_dir():
         p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
-    path = analyze(args.runs_dir, args.out)
+    from analysis.isoflop import load_budgets
+
+    path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
     print(path)
     return 0
 

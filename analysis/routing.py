@@ -14,6 +14,7 @@ B batch rows, S positions:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,19 @@ def load_dump(path: str | Path) -> RoutingDump:
                          f"(expected [L, *input_ids]), entropy {entropy.shape}")
     text = list(d.get("text") or [])
     return RoutingDump(ids, engaged, entropy, text)
+
+
+def try_load_dump(path: str | Path) -> RoutingDump | None:
+    """load_dump, or None when the file is absent or unreadable (a run writing it right now,
+    a dump from another version): the report goes on without it, with a warning."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return load_dump(path)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds on a partial file
+        warnings.warn(f"skipping unreadable routing dump {path}: {type(e).__name__}: {e}")
+        return None
 
 
 def processed_frac_per_layer(dump: RoutingDump) -> np.ndarray:
