@@ -13,25 +13,25 @@ class Accumulator:
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
-        self.n = 0
+        self.counts: dict[str, int] = {}  # per key: callers may add different keys per call
 
     def add(self, metrics: dict) -> None:
         for k, v in metrics.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v
-        self.n += 1
+            self.counts[k] = self.counts.get(k, 0) + 1
 
     def read(self) -> dict[str, float]:
         if not self.sums:
             return {}
         keys = sorted(self.sums)
-        vec = torch.stack([self.sums[k] for k in keys]) / self.n
+        vec = torch.stack([self.sums[k] / self.counts[k] for k in keys])
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(vec)
             vec /= world
         vals = vec.tolist()  # the one host sync of this logging step
-        self.sums, self.n = {}, 0
+        self.sums, self.counts = {}, {}
         return dict(zip(keys, vals))
 
 

@@ -56,3 +56,14 @@ def test_two_processes_match_one_process(tmp_path, zero):
         assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-5), (s, a[s], b[s])
     assert scalars(tmp_path / "two", "eval/loss")[8] == pytest.approx(scalars(tmp_path / "one", "eval/loss")[8],
                                                                         rel=1e-4)
+
+
+def test_accumulator_averages_each_key_over_its_own_count():
+    import torch
+
+    from mode.metrics import Accumulator
+
+    acc = Accumulator()
+    acc.add({"a": torch.tensor(1.0), "b": torch.tensor(10.0)})
+    acc.add({"a": torch.tensor(3.0)})
+    assert acc.read() == {"a": 2.0, "b": 10.0}

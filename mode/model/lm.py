@@ -79,8 +79,9 @@ class LM(nn.Module):
                 for _ in range(c.n_layers)]
 
     def engaged_blocks(self) -> torch.Tensor | None:
-        """[L, B, S] 1 where the last forward processed the token in that block (depth routing and
-        no-op experts both count as not engaged), for routing analysis."""
+        """[L, B, S] 1 where the last forward gave the token the block's full computation, for
+        routing analysis: skipping by depth routing, a no-op expert, or a dropped expert route
+        all count as not engaged."""
         rows = []
         for block in self.blocks:
             sel = getattr(block, "last_selected_BS", None)
