@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -40,15 +39,19 @@ def block_flops(S: int, D: int, F: int, k: int | None = None) -> float:
     return 3 * (fwd + router) + 2 * predictor
 
 
-def timeit(fn, reps: int, warmup: int = 1) -> float:
+def timeit_pair(fa, fb, reps: int, warmup: int = 1) -> tuple[float, float]:
+    """Best-of-reps seconds of fa and fb, alternating them rep by rep: on a shared machine other
+    load only ever adds time, so the minimum is the least disturbed measurement, and alternating
+    keeps one side from owning a quiet (or busy) spell."""
     for _ in range(warmup):
-        fn()
-    ts = []
+        fa(), fb()
+    ta, tb = [], []
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+        for f, ts in ((fa, ta), (fb, tb)):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+    return min(ta), min(tb)
 
 
 def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(0.125, 0.25, 0.5), reps=5):
@@ -66,22 +69,23 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             y = x_BSD + dense(x_BSD, pos_BS)
             y.backward(gy_BSD)
 
-        t_dense = timeit(step_dense, reps)
         for c in caps:
+            # The same inner block: only the routing differs.
             mod = MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0)
 
             def step_mod():
                 y = mod(x_BSD, pos_BS)
                 torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
 
-            t_mod = timeit(step_mod, reps)
+            t_dense, t_mod = timeit_pair(step_dense, step_mod, reps)
             limit = block_flops(S, D, F) / block_flops(S, D, F, capacity_k(c, S))
             rows.append((S, B, c, t_dense * 1e3, t_mod * 1e3, t_dense / t_mod, limit))
+            print(rows[-1], file=sys.stderr)
     return rows
 
 
-def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=2, V=320, reps=3):
-    out = {}
+def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=1, V=320, reps=5):
+    steps = {}
     for name, layers in (("dense", "none"), ("mod", "every_other")):
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, max_seq_len=S,
@@ -90,26 +94,34 @@ def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=2, V=320, reps=3):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids_BS = torch.randint(0, V, (B, S + 1))
 
-        def step():
+        def step(model=model, opt=opt, ids_BS=ids_BS):
             o = model(ids_BS[:, :-1], ids_BS[:, 1:])
             (o.loss + o.aux_loss).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        out[name] = timeit(step, reps)
-    return out
+        steps[name] = step
+    t_dense, t_mod = timeit_pair(steps["dense"], steps["mod"], reps)
+    head = 3 * S * 2 * D * V  # tied embedding / head matmul, fwd + bwd
+    n_mod = len(range(1, L, 2))
+    limit = (L * block_flops(S, D, F) + head) / (
+        (L - n_mod) * block_flops(S, D, F) + n_mod * block_flops(S, D, F, capacity_k(0.125, S)) + head)
+    return {"dense": t_dense, "mod": t_mod, "L": L, "B": B, "S": S, "V": V, "limit": limit}
 
 
 def report(rows, model_t, D, H, F) -> str:
     cpu = platform.processor() or platform.machine()
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
     lines = [
         "## MoD block and model speed (CPU)",
         "",
         f"Machine: {os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, fp32. "
         f"Block: d_model {D}, {H} heads, SwiGLU d_ff {F}, {rows[0][1] * rows[0][0]} tokens per batch; "
-        "forward + backward (+ router/predictor aux loss for MoD); median of 5 after warmup. "
+        "forward + backward (+ router/predictor aux loss for MoD); best of 5 reps, dense and MoD "
+        "interleaved, after warmup. "
         "FLOP limit = analytic training FLOPs dense / MoD (router and predictor included; "
-        "attention counted as the full S x S SDPA computes).",
+        "attention counted as the full S x S SDPA computes). "
+        f"Load average when written: {load} (the machine is shared).",
         "",
         "| S | B | capacity | dense ms | MoD ms | speedup | FLOP limit | % of limit |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -120,9 +132,11 @@ def report(rows, model_t, D, H, F) -> str:
     ms = model_t["dense"] / model_t["mod"]
     lines += [
         "",
-        f"Training step (fwd + bwd + AdamW), 4 layers d_model {D}, S=1024, B=2, vocab 320: dense "
+        f"Training step (fwd + bwd + AdamW), {model_t['L']} layers d_model {D}, S={model_t['S']}, B={model_t['B']}, "
+        f"vocab {model_t['V']}, best of 5 interleaved: dense "
         f"{model_t['dense'] * 1e3:.0f} ms, MoD (12.5% capacity, every other block, predictor) "
-        f"{model_t['mod'] * 1e3:.0f} ms: **{ms:.2f}x** faster.",
+        f"{model_t['mod'] * 1e3:.0f} ms: **{ms:.2f}x** faster (analytic FLOP limit {model_t['limit']:.2f}x: "
+        f"{100 * ms / model_t['limit']:.0f}%).",
         "",
         f"Verdict: block speedup >= 85% of the FLOP limit at S >= 1024, capacity 0.125: "
         f"**{'met' if ok_block else 'missed'}**; model step >= 1.5x at S = 1024: **{'met' if ms >= 1.5 else 'missed'}**.",
@@ -135,7 +149,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true", help="append the section to benchmarks/RESULTS.md")
     ap.add_argument("--quick", action="store_true", help="S=1024, capacity 0.125 only")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     D, H, F = 512, 8, 2048
     kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else {}
     rows = bench_blocks(D, H, F, **kw)
