@@ -70,18 +70,12 @@ class KVCache:
         if self.steps >= L:
             raise RuntimeError(f"KV cache full: max_len={L}")
         self.steps += 1
-        rows_B = torch.arange(B, device=self.len_B.device)
-        slot_B = self.len_B
-        if self.write_B is None:
-            self.k_BHLE[rows_B, :, slot_B] = k_BH1E[:, :, 0]
-            self.v_BHLE[rows_B, :, slot_B] = v_BH1E[:, :, 0]
-            self.len_B = self.len_B + 1
-        else:
-            # Rows that do not write rewrite their next free slot with itself (still free).
-            w = self.write_B[:, None, None]
-            self.k_BHLE[rows_B, :, slot_B] = torch.where(w, k_BH1E[:, :, 0], self.k_BHLE[rows_B, :, slot_B])
-            self.v_BHLE[rows_B, :, slot_B] = torch.where(w, v_BH1E[:, :, 0], self.v_BHLE[rows_B, :, slot_B])
-            self.len_B = self.len_B + self.write_B.long()
+        rows_B, slot_B = torch.arange(B, device=self.len_B.device), self.len_B
+        # Every row writes its next free slot, but only rows in write_B claim it: for the others
+        # it stays beyond len_B (masked) and the next write overwrites it.
+        self.k_BHLE[rows_B, :, slot_B] = k_BH1E[:, :, 0]
+        self.v_BHLE[rows_B, :, slot_B] = v_BH1E[:, :, 0]
+        self.len_B = self.len_B + (1 if self.write_B is None else self.write_B.long())
         # Rows that did not write still need one visible key so softmax stays finite; their
         # output is discarded by the routing wrapper.
         return torch.arange(L, device=slot_B.device)[None] < self.len_B.clamp(min=1)[:, None]
