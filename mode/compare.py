@@ -1,0 +1,455 @@
+"""`mode compare EXPERIMENT.yaml [--dry-run] [--only VARIANT ...] [dotted.key=value ...]`
+
+Expands an experiment grid (variants x seeds) into runs, runs them one after another through the
+launcher the experiment names, then writes the comparison report (analysis.report.analyze) and
+prints its path as the last line: `report: <path>`.
+
+Experiment format::
+
+    name: quickstart
+    runs_dir: runs/quickstart        # relative to the current directory (the repo root for `make demo`)
+    launcher: local                  # local | deepspeed | slurm (below)
+    nproc: 1                         # processes (ranks) per run for `local`
+    seeds: [0]                       # default seeds of every variant
+    overrides: ["train.max_steps=200"]   # dotted.key=value applied to every variant
+    launcher_options: {}             # launcher-specific, below
+    variants:                        # name -> base config (relative to this YAML) + its own overrides/seeds
+      dense: {config: ../tiny/dense.yaml}
+      moe_dropping: {config: ../tiny/moe_dropping.yaml, seeds: [0, 1], overrides: ["model.moe.capacity_factor=0.5"]}
+
+Each run is `<variant>_seed<k>` with run directory `runs_dir/<variant>_seed<k>` and the overrides
+`run.dir=...`, `run.name=<variant>`, `train.seed=<k>` applied last (after the experiment's, the
+variant's, and those given on the command line). Data order is the same for every variant and
+seed: it depends on data.split_seed only, which the experiment should not vary.
+
+Launchers:
+
+- `local`: `nproc: 1` runs `python -m mode.cli train` in a subprocess; `nproc > 1` runs the
+  DeepSpeed launcher on this machine (`--num_gpus nproc`; on CPU one OpenMP thread per rank
+  unless OMP_NUM_THREADS is set).
+- `deepspeed`: the launch wrapper (`python -m launch.run`) with `launcher_options`
+  `hostfile` (relative to the current directory), `num_nodes`, `num_gpus` (per node),
+  `master_addr`, `master_port`, `env` (mapping exported to every rank on every node).
+- `slurm`: writes one sbatch command per run to `runs_dir/slurm/<run>.sh`
+  (`sbatch --nodes N --gpus-per-node G [sbatch_args] launch/slurm.sbatch --config ...`) and, with
+  `launcher_options.submit: true`, submits it (once: a job still queued or running is not
+  submitted again). `launcher_options`: `num_nodes` (1), `num_gpus` (per node; default nproc),
+  `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit` (false). The
+  report is written by the invocation that finds every run done.
+
+Before the first run starts every run's config is resolved and checked (values, world size vs.
+expert-parallel size, tokenizer, an existing run directory of an incompatible config): a bad
+grid stops with one `config error: variant V (seed k): ...` line, exit 2. Invoking the same
+command again skips runs whose directory holds DONE and resumes interrupted ones from their
+newest complete checkpoint. Progress: `[i/N] run` lines, then each run's own progress bar.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mode.config import Config, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = ("local", "deepspeed", "slurm")
+EXPERIMENT_KEYS = ("name", "description", "runs_dir", "report_dir", "launcher", "launcher_options", "nproc", "seeds",
+                   "overrides", "variants")
+VARIANT_KEYS = ("config", "seeds", "overrides", "description")
+LAUNCHER_OPTIONS = {"local": (),
+                    "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "env"),
+                    "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script")}
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class Experiment:
+    path: Path
+    name: str
+    runs_dir: Path
+    report_dir: Path | None
+    launcher: str
+    options: dict
+    nproc: int
+    seeds: list[int]
+    overrides: list[str]
+    variants: dict[str, dict]
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    config: str
+    overrides: list[str]
+    cfg: Config | None = None
+    status: str = "new"  # new | resume | done
+    resume_step: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_seed{self.seed}"
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the experiment.
+
+
+def _bad(path: Path, what: str) -> ConfigError:
+    return ConfigError("experiment", msg=f"experiment {path}: {what}")
+
+
+def _str_list(v, path: Path, key: str) -> list[str]:
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _bad(path, f"{key} must be a list of dotted.key=value strings, got {v!r}")
+    for x in v:
+        if "=" not in x:
+            raise _bad(path, f"{key}: {x!r} is not dotted.key=value")
+    return list(v)
+
+
+def _seed_list(v, path: Path, key: str) -> list[int]:
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise _bad(path, f"{key} must be a non-empty list of integers, got {v!r}")
+    return list(dict.fromkeys(v))
+
+
+def _unknown(d: dict, allowed, path: Path, where: str) -> None:
+    import difflib
+
+    for k in d:
+        if k not in allowed:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise _bad(path, f"unknown key {where}{k}{hint}; allowed: {', '.join(allowed)}")
+
+
+def load_experiment(path: str | os.PathLike) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("EXPERIMENT", str(path), "an existing experiment YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise _bad(path, f"not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(raw, dict):
+        raise _bad(path, "the top level must be a mapping")
+    _unknown(raw, EXPERIMENT_KEYS, path, "")
+    launcher = raw.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        raise _bad(path, f"launcher={launcher!r}: one of {', '.join(LAUNCHERS)}")
+    options = raw.get("launcher_options") or {}
+    if not isinstance(options, dict):
+        raise _bad(path, "launcher_options must be a mapping")
+    _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
+    nproc = raw.get("nproc", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise _bad(path, f"nproc={nproc!r}: an integer >= 1")
+    variants = raw.get("variants")
+    if not isinstance(variants, dict) or not variants:
+        raise _bad(path, "variants must be a non-empty mapping of name -> {config: ..., overrides: [...]}")
+    for name, v in variants.items():
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise _bad(path, f"variant name {name!r}: letters, digits, _ . - (it names a directory)")
+        if not isinstance(v, dict) or "config" not in v:
+            raise _bad(path, f"variants.{name} must be a mapping with a `config:` path")
+        _unknown(v, VARIANT_KEYS, path, f"variants.{name}.")
+    runs_dir = raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"
+    return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=Path(runs_dir),
+                      report_dir=Path(raw["report_dir"]) if raw.get("report_dir") else None,
+                      launcher=launcher, options=options, nproc=nproc,
+                      seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
+                      overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants)
+
+
+def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[Run]:
+    """variants x seeds -> runs (experiment order, seeds ascending as listed)."""
+    if only:
+        unknown = [v for v in only if v not in exp.variants]
+        if unknown:
+            raise ConfigError("--only", msg=f"--only {' '.join(unknown)}: not a variant of {exp.path} "
+                              f"(variants: {', '.join(exp.variants)})")
+    runs = []
+    for name, v in exp.variants.items():
+        if only and name not in only:
+            continue
+        seeds = _seed_list(v["seeds"], exp.path, f"variants.{name}.seeds") if "seeds" in v else exp.seeds
+        config = v["config"]
+        if not isinstance(config, str):
+            raise _bad(exp.path, f"variants.{name}.config must be a path")
+        cfg_path = (exp.path.parent / config).resolve()
+        for s in seeds:
+            run_dir = exp.runs_dir / f"{name}_seed{s}"
+            ov = [*exp.overrides, *_str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides"),
+                  *(extra or []), f"run.dir={run_dir}", f"run.name={name}", f"train.seed={s}"]
+            runs.append(Run(variant=name, seed=s, config=str(cfg_path), overrides=ov))
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch commands.
+
+
+def _launch():
+    """launch/run.py: the one place that knows how to call the DeepSpeed launcher."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import launch.run as lr
+
+    return lr
+
+
+def world_size(exp: Experiment) -> int:
+    o = exp.options
+    if exp.launcher == "local":
+        return exp.nproc
+    if exp.launcher == "slurm":
+        return int(o.get("num_nodes", 1)) * int(o.get("num_gpus", exp.nproc))
+    lr = _launch()
+    hostfile = o.get("hostfile")
+    return lr.world_size("deepspeed", hostfile, int(o.get("num_nodes", -1)),
+                         int(o.get("num_gpus", -1 if hostfile else exp.nproc)))
+
+
+def child_env(exp: Experiment) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        if exp.launcher == "local" and exp.nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // exp.nproc)))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # a nested run must not join our group
+        env.pop(k, None)
+    return env
+
+
+def command(exp: Experiment, run: Run) -> list[str]:
+    o, py = exp.options, sys.executable
+    if exp.launcher == "local":
+        if exp.nproc == 1:
+            return [py, "-m", "mode.cli", "train", "--config", run.config, *run.overrides]
+        from mode.engine import free_port
+
+        return _launch().deepspeed_command(run.config, run.overrides, num_gpus=exp.nproc, master_port=free_port())
+    if exp.launcher == "deepspeed":
+        cmd = [py, "-m", "launch.run", "--launcher", "deepspeed"]
+        for k in ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port"):
+            if o.get(k) is not None:
+                cmd += [f"--{k}", str(o[k])]
+        if "num_gpus" not in o and "hostfile" not in o:
+            cmd += ["--num_gpus", str(exp.nproc)]
+        for k, v in (o.get("env") or {}).items():
+            cmd += ["--env", f"{k}={v}"]
+        return cmd + ["--config", run.config, *run.overrides]
+    # slurm
+    logs = exp.runs_dir / "slurm"
+    cmd = ["sbatch", f"--job-name={exp.name}-{run.name}", f"--output={logs}/{run.name}-%j.out",
+           f"--nodes={int(o.get('num_nodes', 1))}", f"--gpus-per-node={int(o.get('num_gpus', exp.nproc))}",
+           *[str(a) for a in o.get("sbatch_args") or []], str(o.get("script", ROOT / "launch" / "slurm.sbatch"))]
+    return cmd + ["--config", run.config, *run.overrides]
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and status.
+
+
+def validate(exp: Experiment, runs: list[Run]) -> None:
+    """Resolve and preflight every run before any starts; a failure names the variant and seed."""
+    from mode.config import load_config
+    from mode.train import preflight
+
+    world = world_size(exp)
+    for r in runs:
+        try:
+            r.cfg = load_config(r.config, r.overrides, world_size=world)
+            preflight(r.cfg)
+        except ConfigError as e:
+            text = str(e).removeprefix("config error: ")
+            raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
+        r.status, r.resume_step = status(r)
+
+
+def status(run: Run) -> tuple[str, int]:
+    from mode import checkpoint as ckpt
+
+    d = run.dir
+    if run.cfg.run.fresh:  # the trainer deletes the directory and starts over
+        return "new", 0
+    if (d / "DONE").exists():
+        saved = d / "config.yaml"
+        old = yaml.safe_load(saved.read_text()) if saved.exists() else {}
+        if (old or {}).get("train", {}).get("max_steps") == run.cfg.train.max_steps:
+            return "done", run.cfg.train.max_steps
+    last = ckpt.latest(d / "checkpoints")
+    if last is not None:
+        return "resume", int(last.name.split("_")[1])
+    return "new", 0
+
+
+def describe(run: Run) -> str:
+    if run.status == "done":
+        return "done, skipped"
+    if run.status == "resume":
+        return f"resuming from step {run.resume_step}/{run.cfg.train.max_steps}"
+    return f"new run, {run.cfg.train.max_steps} steps"
+
+
+# ----------------------------------------------------------------------------------------------
+# Running.
+
+
+def _slurm_job_active(job_file: Path) -> bool:
+    if not job_file.exists() or shutil.which("squeue") is None:
+        return False
+    job = job_file.read_text().strip()
+    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
+def run_slurm(exp: Experiment, runs: list[Run], env: dict, log) -> int:
+    """Write (and optionally submit) one sbatch command per unfinished run. Returns how many are pending."""
+    out = exp.runs_dir / "slurm"
+    out.mkdir(parents=True, exist_ok=True)
+    pending = 0
+    for i, r in enumerate(runs, 1):
+        if r.status == "done":
+            log(f"[{i}/{len(runs)}] {r.name}: {describe(r)}")
+            continue
+        pending += 1
+        cmd = command(exp, r)
+        script = out / f"{r.name}.sh"
+        script.write_text("#!/usr/bin/env bash\n# " + describe(r) + f"\ncd {shlex.quote(os.getcwd())}\n"
+                          + shlex.join(cmd) + "\n")
+        script.chmod(0o755)
+        job_file = out / f"{r.name}.jobid"
+        if not exp.options.get("submit"):
+            log(f"[{i}/{len(runs)}] {r.name}: {describe(r)}; submit with: sh {script}")
+            continue
+        if _slurm_job_active(job_file):
+            log(f"[{i}/{len(runs)}] {r.name}: job {job_file.read_text().strip()} is queued or running")
+            continue
+        res = subprocess.run([*cmd[:1], "--parsable", *cmd[1:]], env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            log(f"[{i}/{len(runs)}] {r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}")
+            return -1
+        job = res.stdout.strip().split(";")[0]
+        job_file.write_text(job + "\n")
+        log(f"[{i}/{len(runs)}] {r.name}: submitted job {job} ({describe(r)})")
+    return pending
+
+
+def run_one(exp: Experiment, run: Run, env: dict) -> int:
+    proc = subprocess.Popen(command(exp, run), env=env)  # stdout/stderr pass through: the run's bar
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            return proc.wait(timeout=30) or 130
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return 130
+
+
+def report(exp: Experiment) -> Path:
+    from analysis.report import analyze
+
+    return Path(analyze(exp.runs_dir, exp.report_dir))
+
+
+def write_plan(exp: Experiment, runs: list[Run]) -> None:
+    exp.runs_dir.mkdir(parents=True, exist_ok=True)
+    plan = {"experiment": str(exp.path), "name": exp.name, "launcher": exp.launcher,
+            "runs": [{"name": r.name, "variant": r.variant, "seed": r.seed, "config": r.config,
+                      "overrides": r.overrides, "dir": str(r.dir)} for r in runs]}
+    (exp.runs_dir / "experiment.json").write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mode compare", description="Run an experiment grid, then write its report.",
+                                epilog="Invoking it again skips finished runs and resumes interrupted ones.")
+    p.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    p.add_argument("--dry-run", action="store_true", help="validate every run and print the plan; start nothing")
+    p.add_argument("--only", nargs="+", metavar="VARIANT", default=None, help="run only these variants")
+    p.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="applied to every run")
+    a = p.parse_args(argv)
+    only = [v for v in a.only or [] if "=" not in v] or None
+    extra = [*a.overrides, *[v for v in a.only or [] if "=" in v]]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        exp = load_experiment(a.experiment)
+        runs = expand(exp, only, extra)
+        validate(exp, runs)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    n = len(runs)
+    todo = sum(r.status != "done" for r in runs)
+    log(f"experiment {exp.name}: {n} runs ({todo} to run) in {exp.runs_dir}, launcher {exp.launcher}")
+    env = child_env(exp)
+    if a.dry_run:
+        for i, r in enumerate(runs, 1):
+            log(f"[{i}/{n}] {r.name}: {describe(r)}")
+            print(shlex.join(command(exp, r)))
+        return 0
+    write_plan(exp, runs)
+
+    if exp.launcher == "slurm":
+        pending = run_slurm(exp, runs, env, log)
+        if pending < 0:
+            return 1
+        if pending:
+            log(f"{pending} run(s) not finished; invoke `mode compare {a.experiment}` again when they are "
+                "to write the report")
+            return 0
+    else:
+        t_all = time.perf_counter()
+        for i, r in enumerate(runs, 1):
+            log(f"[{i}/{n}] {r.name} ({r.dir}): {describe(r)}")
+            if r.status == "done":
+                continue
+            t0 = time.perf_counter()
+            rc = run_one(exp, r, env)
+            dt = time.perf_counter() - t0
+            if rc != 0:
+                log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; invoke the same command again to "
+                    "resume it")
+                return rc if 0 < rc < 256 else 1
+            r.status, r.resume_step = status(r)
+            state = "done" if r.status == "done" else f"stopped at step {r.resume_step} (train.stop_at)"
+            log(f"[{i}/{n}] {r.name}: {state} in {dt:.0f}s")
+        if todo:
+            log(f"all runs finished in {time.perf_counter() - t_all:.0f}s; writing the report")
+    try:
+        path = report(exp)
+    except ImportError as e:
+        log(f"warning: the analysis package is not importable ({e}); runs are in {exp.runs_dir}, no report")
+        return 1
+    print(f"report: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

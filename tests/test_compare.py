@@ -1,0 +1,150 @@
+"""`mode compare`: an experiment grid runs end to end, skips finished runs, resumes interrupted ones,
+refuses a bad grid before anything starts, and hands runs to the DeepSpeed and SLURM launchers."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.util import PY, ROOT, TINY, env, mode_cli, scalars
+
+STEPS = 6
+
+
+def experiment(tmp_path: Path, launcher: str = "local", **extra) -> Path:
+    exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": launcher, "nproc": 1, "seeds": [0],
+           "overrides": [*TINY, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3",
+                         "checkpoint.every=2", "optim.warmup_steps=2"],
+           "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")},
+                        "mod": {"config": str(ROOT / "configs/tiny/mod.yaml"),
+                                "overrides": ["model.mod.capacity=0.25"]}},
+           **extra}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(exp, sort_keys=False))
+    return path
+
+
+def compare_with_path(bin_dir: Path, *args):
+    import subprocess
+
+    e = dict(env(2), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    r = subprocess.run([PY, "-m", "mode.cli", "compare", *map(str, args)], cwd=ROOT, env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def last_line(r) -> str:
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
+    exp = experiment(tmp_path)
+    runs = tmp_path / "runs"
+
+    # An invocation that stops every run at step 4 (a time-boxed job); a report is written anyway.
+    r = mode_cli("compare", exp, "train.stop_at=4")
+    assert "[1/2] dense_seed0" in r.stderr and "[2/2] mod_seed0" in r.stderr
+    assert "stopped at step 4" in r.stderr
+    assert last_line(r) == f"report: {runs / 'report' / 'report.md'}"
+    assert not (runs / "dense_seed0" / "DONE").exists()
+
+    # The same command again resumes both from step 4 and finishes them.
+    r = mode_cli("compare", exp)
+    assert r.stderr.count("resuming from step 4/6") == 2, r.stderr[-3000:]
+    for name, variant in (("dense_seed0", "dense"), ("mod_seed0", "mod")):
+        d = runs / name
+        assert (d / "DONE").exists()
+        assert list(scalars(d, "train/loss")) == list(range(1, STEPS + 1))
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        assert cfg["run"]["name"] == variant and cfg["train"]["seed"] == 0 and cfg["run"]["dir"] == str(d)
+    assert yaml.safe_load((runs / "mod_seed0" / "config.yaml").read_text())["model"]["mod"]["capacity"] == 0.25
+    report = runs / "report" / "report.md"
+    assert last_line(r) == f"report: {report}" and "dense" in report.read_text() and "mod" in report.read_text()
+    plan = json.loads((runs / "experiment.json").read_text())
+    assert [x["name"] for x in plan["runs"]] == ["dense_seed0", "mod_seed0"]
+
+    # Everything done: nothing is trained again.
+    t0 = time.monotonic()
+    r = mode_cli("compare", exp)
+    assert r.stderr.count("done, skipped") == 2 and "DeepSpeed" not in r.stderr
+    assert last_line(r) == f"report: {report}"
+    print(f"\nsecond invocation with every run done: {time.monotonic() - t0:.1f}s")
+
+
+def test_bad_grid_is_refused_before_any_run_starts(tmp_path):
+    exp = experiment(tmp_path, seeds=[0, 1])
+    spec = yaml.safe_load(exp.read_text())
+    spec["variants"]["mod"]["overrides"] = ["model.mod.capacity=1.5"]
+    exp.write_text(yaml.safe_dump(spec))
+    r = mode_cli("compare", exp, check=False)
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith("config error: variant mod (seed 0"), r.stderr
+    assert "model.mod.capacity=1.5" in errors[0] and not (tmp_path / "runs").exists()
+
+    r = mode_cli("compare", exp, "--only", "moe", check=False)
+    assert r.returncode == 2 and "config error: --only moe: not a variant" in r.stderr
+
+    spec["variants"]["mod"] = {"confg": "x.yaml"}
+    exp.write_text(yaml.safe_dump(spec))
+    r = mode_cli("compare", exp, check=False)
+    assert r.returncode == 2 and "variants.mod must be a mapping with a `config:` path" in r.stderr
+
+
+def test_dry_run_expands_variants_and_seeds(tmp_path):
+    exp = experiment(tmp_path, seeds=[0, 1], nproc=2)
+    r = mode_cli("compare", exp, "--dry-run", "--only", "mod")
+    cmds = r.stdout.strip().splitlines()
+    assert len(cmds) == 2 and "[2/2] mod_seed1: new run, 6 steps" in r.stderr
+    assert all("deepspeed.launcher.runner" in c and "--num_gpus 2" in c and "--module mode.train" in c for c in cmds)
+    assert cmds[1].endswith(f"run.dir={tmp_path / 'runs' / 'mod_seed1'} run.name=mod train.seed=1")
+    assert not (tmp_path / "runs").exists()
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    exp = experiment(tmp_path, launcher="deepspeed", launcher_options={
+        "hostfile": str(hostfile), "num_nodes": 2, "num_gpus": 2, "master_port": 29511, "env": {"NCCL_DEBUG": "WARN"}})
+    r = mode_cli("compare", exp, "--dry-run")
+    assert "-m launch.run --launcher deepspeed --hostfile" in r.stdout and "--num_nodes 2 --num_gpus 2" in r.stdout
+    assert "--env NCCL_DEBUG=WARN" in r.stdout
+
+
+def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "sbatch.log"
+    (bin_dir / "sbatch").write_text(f"#!/usr/bin/env bash\necho \"$@\" >> {log}\necho 1000$RANDOM\n")
+    (bin_dir / "squeue").write_text("#!/usr/bin/env bash\necho RUNNING\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    exp = experiment(tmp_path, launcher="slurm", launcher_options={
+        "num_nodes": 2, "num_gpus": 4, "sbatch_args": ["--partition=gpu"]})
+    r = mode_cli("compare", exp)
+    script = tmp_path / "runs" / "slurm" / "dense_seed0.sh"
+    text = script.read_text()
+    assert "sbatch --job-name=grid-dense_seed0" in text and "--nodes=2 --gpus-per-node=4 --partition=gpu" in text
+    assert f"{ROOT / 'launch' / 'slurm.sbatch'} --config" in text and "run.name=dense" in text
+    assert "submit with: sh" in r.stderr and not r.stdout.strip() and not log.exists()
+
+    spec = yaml.safe_load(exp.read_text())
+    spec["launcher_options"]["submit"] = True
+    exp.write_text(yaml.safe_dump(spec))
+    r = compare_with_path(bin_dir, exp)
+    assert r.stderr.count("submitted job 1000") == 2 and len(log.read_text().splitlines()) == 2
+    assert "--parsable" in log.read_text()
+    r = compare_with_path(bin_dir, exp)
+    assert r.stderr.count("is queued or running") == 2 and len(log.read_text().splitlines()) == 2
+
+
+def test_deepspeed_launcher_runs_the_grid(tmp_path):
+    """launcher: deepspeed (here one node, two ranks) goes through launch/run.py."""
+    exp = experiment(tmp_path, launcher="deepspeed", launcher_options={"num_gpus": 2, "env": {"MODE_TEST_VAR": "1"}})
+    r = mode_cli("compare", exp, "--only", "dense", "train.max_steps=2", "train.micro_batch_size=2")
+    d = tmp_path / "runs" / "dense_seed0"
+    assert (d / "DONE").exists() and json.loads((d / "run_info.json").read_text())["world_size"] == 2
+    assert list(scalars(d, "train/loss")) == [1, 2]
+    assert last_line(r) == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"

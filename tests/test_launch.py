@@ -1,0 +1,250 @@
+"""Launch wrappers: config validation before any worker starts, and multi-node runs simulated on one
+machine (two DeepSpeed launchers with `--no_ssh --node_rank 0/1`, the SLURM template under a fake
+`srun`, torchrun with two nodes) training an expert-parallel model, each matching one launcher."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.util import PY, ROOT, TINY, deepspeed_train, env, free_port, scalars
+
+# The expert-parallel model: DeepSpeed MoE in every other block, experts split over 2 ranks.
+EP_CONFIG = "configs/tiny/moe.yaml"
+EP = ["model.moe.backend=deepspeed", "model.moe.ep_size=2", "model.moe.layers=every_other",
+      "model.moe.num_experts=4"]
+COMMON = [*TINY, "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=2"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared with test_faults.py.
+
+
+def launch_run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "launch.run", *map(str, args)], cwd=ROOT, env=env(1), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_hostfile(path: Path) -> Path:
+    path.write_text("node0 slots=1\nnode1 slots=1\n")  # two simulated nodes, one rank each
+    return path
+
+
+def start_two_nodes(tmp_path: Path, config: str, *overrides, port: int, log_prefix: str = "node") -> list:
+    """One `python -m launch.run --no_ssh --node_rank R` per simulated node (what each SLURM task runs)."""
+    hostfile = write_hostfile(tmp_path / "hostfile")
+    procs = []
+    for r in (0, 1):
+        cmd = [PY, "-m", "launch.run", "--hostfile", hostfile, "--no_ssh", "--node_rank", r, "--num_nodes", 2,
+               "--master_addr", "127.0.0.1", "--master_port", port, "--config", config, *overrides]
+        log = open(tmp_path / f"{log_prefix}{r}.log", "w")
+        procs.append(subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env(1), stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    end = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(0.1, end - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        kill_groups(procs)
+        raise
+
+
+def kill_groups(procs) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def logs(tmp_path: Path, prefix: str = "node") -> str:
+    return "\n".join(f"== {f.name}\n" + f.read_text()[-4000:] for f in sorted(tmp_path.glob(f"{prefix}*.log")))
+
+
+def run_two_nodes(tmp_path: Path, config: str, *overrides, timeout: float = 300, log_prefix: str = "node") -> None:
+    procs = start_two_nodes(tmp_path, config, *overrides, port=free_port(), log_prefix=log_prefix)
+    rcs = wait_all(procs, timeout)
+    assert rcs == [0, 0], logs(tmp_path, log_prefix)
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains `text` (zombies excluded)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            out.append((int(p.name), cmd))
+    return out
+
+
+def rank_pid(rank: int, marker: str) -> int | None:
+    """pid of the training process of global rank `rank` whose command line contains `marker`."""
+    for pid, cmd in processes_mentioning(marker):
+        if "mode.train" not in cmd or "deepspeed.launcher" in cmd:
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def assert_losses_equal(a_dir: Path, b_dir: Path, steps: int) -> None:
+    a, b = scalars(a_dir, "train/loss"), scalars(b_dir, "train/loss")
+    assert list(a) == list(b) == list(range(1, steps + 1)), (a, b)
+    assert a == b  # same ranks, same collectives: bit for bit
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation before launch.
+
+
+def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
+    t0 = time.monotonic()
+    r = launch_run("--num_gpus", 2, "--config", "configs/tiny/dense.yaml", "model.n_heads=5",
+                   f"run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "config error" in ln]
+    assert len(lines) == 1 and lines[0].startswith("config error: model.n_heads=5"), r.stderr
+    assert "deepspeed.launcher" not in r.stderr + r.stdout and not (tmp_path / "r").exists()
+
+    # The world size the launcher would start is checked against the expert-parallel size.
+    hostfile = write_hostfile(tmp_path / "hostfile")
+    r = launch_run("--hostfile", hostfile, "--num_gpus", 3, "--no_ssh", "--node_rank", 0, "--config",
+                   "configs/tiny/dense.yaml", "model.moe.layers=every_other", "model.moe.backend=deepspeed",
+                   "model.moe.ep_size=4", "model.moe.num_experts=4", f"run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and "config error: model.moe.ep_size=4: a divisor of the world size 6" in r.stderr, \
+        r.stderr
+
+    # A run directory written by another config is refused before launch, naming the difference.
+    run = tmp_path / "old"
+    run.mkdir()
+    cfg = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/dense.yaml", *TINY,
+                          f"run.dir={run}", "--print-config"], cwd=ROOT, env=env(1), capture_output=True, text=True)
+    (run / "config.yaml").write_text(cfg.stdout)
+    r = launch_run("--num_gpus", 2, "--config", "configs/tiny/dense.yaml", *TINY, "model.d_model=64",
+                   f"run.dir={run}")
+    assert r.returncode == 2 and "config error: run.dir=" in r.stderr and "model.d_model: 32 -> 64" in r.stderr, \
+        r.stderr
+    r = launch_run("--hostfile", tmp_path / "missing", "--config", "configs/tiny/dense.yaml")
+    assert r.returncode == 2 and "config error: --hostfile=" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_dry_run_prints_launcher_commands(tmp_path):
+    hostfile = write_hostfile(tmp_path / "hostfile")
+    r = launch_run("--hostfile", hostfile, "--no_ssh", "--node_rank", 1, "--master_addr", "10.0.0.1",
+                   "--env", "NCCL_DEBUG=WARN", "--dry-run", "--config", "configs/tiny/dense.yaml", "train.max_steps=3")
+    assert r.returncode == 0, r.stderr
+    assert "-m deepspeed.launcher.runner --hostfile" in r.stdout and "--no_ssh --node_rank=1" in r.stdout
+    assert "--master_addr 10.0.0.1" in r.stdout and "NCCL_DEBUG=WARN" in r.stdout
+    assert "--module mode.train --config configs/tiny/dense.yaml train.max_steps=3" in r.stdout
+    r = launch_run("--launcher", "torchrun", "--num_nodes", 2, "--node_rank", 1, "--num_gpus", 4,
+                   "--master_addr", "10.0.0.1", "--dry-run", "--config", "configs/tiny/dense.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "torch.distributed.run --nnodes=2 --nproc-per-node=4 --node-rank=1 --master-addr=10.0.0.1" in r.stdout
+
+
+def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
+    """For ssh (pdsh) launches DeepSpeed exports each KEY=VALUE line of $DS_ENV_FILE on every node."""
+    import launch.run as lr
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("NCCL_IB_DISABLE", "1")
+    monkeypatch.setenv("UNRELATED", "x")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("USER_VAR=kept\n\n")  # a user's own file keeps working
+    env = lr.pass_env(["WANDB_MODE=offline", "EQ=a=b"])
+    path = lr.write_deepspeed_env(tmp_path / "run" / "deepspeed_env", env)
+    lines = path.read_text().splitlines()
+    parsed = dict(line.split("=", 1) for line in lines)  # DeepSpeed's own parsing: every line KEY=VALUE
+    assert parsed["OMP_NUM_THREADS"] == "3" and parsed["NCCL_IB_DISABLE"] == "1" and "UNRELATED" not in parsed
+    assert parsed["WANDB_MODE"] == "offline" and parsed["EQ"] == "a=b" and parsed["USER_VAR"] == "kept"
+    assert parsed["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    with pytest.raises(Exception, match="--env"):
+        lr.pass_env(["NOVALUE"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Simulated multi-node runs of an expert-parallel model.
+
+STEPS = 4
+EP_RUN = [*COMMON, *EP, f"train.max_steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def one_launcher(tmp_path_factory):
+    """The reference: one DeepSpeed launcher starting both ranks."""
+    d = tmp_path_factory.mktemp("one_launcher") / "run"
+    deepspeed_train(2, EP_CONFIG, *EP_RUN, f"run.dir={d}")
+    return d
+
+
+def test_two_deepspeed_launchers_match_one(tmp_path, one_launcher):
+    run_two_nodes(tmp_path, EP_CONFIG, *EP_RUN, f"run.dir={tmp_path / 'run'}")
+    assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
+    assert (tmp_path / "run" / "DONE").exists()
+
+
+def test_torchrun_two_nodes_match_one_launcher(tmp_path, one_launcher):
+    port = free_port()
+    procs = []
+    for r in (0, 1):
+        e = dict(env(1), NNODES="2", NODE_RANK=str(r), GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), PYTHON=PY)
+        procs.append(subprocess.Popen(["bash", "launch/torchrun.sh", "--config", EP_CONFIG, *EP_RUN,
+                                       f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=e,
+                                      stdout=open(tmp_path / f"node{r}.log", "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    assert wait_all(procs, 300) == [0, 0], logs(tmp_path)
+    assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
+
+
+def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
+    """launch/slurm.sbatch under a fake `srun` that runs its task once per node on this machine."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\n'\n")
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f"touch {tmp_path / 'srun_ran'}\n"
+        "while [[ $1 == --* ]]; do shift; done\n"  # srun's own options
+        "pids=(); for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i \"$@\" & pids+=($!); done\n"
+        "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=$?; done; exit $rc\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    e = dict(env(1), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=PY, MODE_ROOT=str(ROOT),
+             SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_NNODES="2",
+             SLURM_GPUS_ON_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    config = str(ROOT / EP_CONFIG)
+    sbatch = str(ROOT / "launch" / "slurm.sbatch")
+    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                       env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 nodes x 1 GPUs, master 127.0.0.1" in r.stdout
+    assert (tmp_path / ".slurm" / "hostfile.4242").read_text() == "nodeA slots=1\nnodeB slots=1\n"
+    assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
+
+    # A bad config stops the job on the batch node: srun never runs.
+    (tmp_path / "srun_ran").unlink()
+    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, "model.moe.ep_size=3",
+                        f"run.dir={tmp_path / 'bad'}"], cwd=tmp_path, env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "config error: model.moe.ep_size=3" in r.stderr, r.stderr
+    assert not (tmp_path / "srun_ran").exists() and not (tmp_path / "bad").exists()
