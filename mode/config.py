@@ -142,11 +142,8 @@ class MoEConfig:
                f"a divisor of num_experts={self.num_experts}")
         if self.backend != "deepspeed":
             _check(self.ep_size == 1, k + "ep_size", self.ep_size, "1 unless backend is deepspeed")
-        # backend deepspeed runs our router as the gate of DeepSpeed's MoE layer: every routing
-        # option (no-op experts, z-loss, drop policy) applies to it as to native.
-        if self.backend == "megablocks":
-            _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
-                   "0 with backend megablocks (use backend native for no-op experts)")
+        # The deepspeed and megablocks backends execute OUR router's decisions (mode/moe/*): every
+        # routing option (no-op experts, z-loss, drop policy, weights) applies to all backends.
 
 
 @dataclass

@@ -46,9 +46,6 @@ class Routing:
     """Route reaches a real expert and survived capacity (False for padding and no-op routes)."""
     pos_TK: torch.Tensor
     """Slot of the route inside its expert's buffer (valid where keep_TK)."""
-    order_R: torch.Tensor
-    """Routes (r = j*T + t) sorted by expert, each expert's routes in priority order; the
-    counts_E.sum() real routes come first (dropless backends group tokens with it)."""
     capacity: int | None
     """Static bound on slots per expert for buffers (None = dropless: no bound)."""
     counts_E: torch.Tensor
@@ -81,7 +78,6 @@ class ExpertRouter(nn.Module):
         # One row per router output; no-op experts are just extra logits.
         self.weight = nn.Parameter(torch.empty(self.E + self.N, d_model))
         nn.init.normal_(self.weight, std=0.02)
-        self.ep_group = None  # set when plugged into DeepSpeed's MOELayer (dropless capacity sync)
 
     def capacity_factor(self) -> float | None:
         c = self.cfg
@@ -149,9 +145,10 @@ class ExpertRouter(nn.Module):
 
         # -- losses. Load balancing over REAL experts only: f_e = share of the real-expert routes
         # (before dropping) that chose e, P_e = mean over valid tokens of e's probability
-        # renormalised over the real experts. With N = 0 this is exactly Switch/DeepSpeed's
-        # E * sum_e f_e P_e; with N > 0 the term measures balance among the real experts only and
-        # is indifferent to how much traffic goes to no-ops (that split is left to the LM loss).
+        # renormalised over the real experts. With N = 0 this is Switch's E * sum_e f_e P_e (and
+        # DeepSpeed's top-1 and top-k gates'; its top-2 gate counts first choices only). With N > 0
+        # it measures balance among the real experts only and is indifferent to how much traffic
+        # goes to no-ops: that split is left to the LM loss.
         vmask_T1 = None if valid_T is None else valid_T[:, None].float()
         probs_TE = probs_TX[:, :E]
         if self.N:
@@ -160,31 +157,43 @@ class ExpertRouter(nn.Module):
             P_E = probs_TE.mean(0)
             z = torch.logsumexp(logits_TX, -1).square().mean()
         else:
-            denom = torch.as_tensor(n_valid, device=x_TD.device).clamp(min=1).float()
+            denom = n_valid.clamp(min=1).float()
             P_E = (probs_TE * vmask_T1).sum(0) / denom
             z = (torch.logsumexp(logits_TX, -1).square() * vmask_T1[:, 0]).sum() / denom
         f_E = counts_E.float() / counts_E.sum().clamp(min=1).float()
         lb = E * (f_E * P_E).sum()
         aux = cfg.lb_loss_weight * lb + cfg.z_loss_weight * z
 
-        # -- metrics (on device; read at logging steps only)
-        engaged_T = keep_TK.any(-1)
-        n_tok = torch.as_tensor(n_valid, device=x_TD.device).clamp(min=1).float()
-        demand = counts_E.sum()
-        dropped_tok = (real_TK.any(-1) & ~engaged_T).sum()
-        metrics = {
-            # dropped routes / routes that asked for a real expert
-            "dropped_routes_frac": (demand - kept_E.sum()).float() / demand.clamp(min=1).float(),
-            # tokens that asked for >= 1 real expert and got none / valid tokens
-            "dropped_tokens_frac": dropped_tok.float() / n_tok,
-            # expert load = kept routes of expert e / (K*T/E), its share under perfect balance:
-            # load_max is the busiest expert (<= ~capacity_factor when dropping), load_mean the
-            # fraction of all routes processed by real experts (1 - dropped - no-op shares).
-            "load_max": kept_E.max().float() * E / (K * n_tok),
-            "load_mean": kept_E.float().mean() * E / (K * n_tok),
-            "lb_loss": lb.detach(),
-            "z_loss": z.detach(),
-        }
-        if self.N:
-            metrics["noop_frac"] = noop_TK.sum().float() / (K * n_tok)  # share of routes to no-ops
-        return Routing(idx_TK, w_TK, keep_TK, pos_TK, order_R, cap_buf, counts_E, kept_E, aux, metrics, engaged_T)
+        metrics = route_metrics(keep_TK, real_TK, noop_TK if self.N else None, counts_E, kept_E, n_valid, lb, z)
+        return Routing(idx_TK, w_TK, keep_TK, pos_TK, cap_buf, counts_E, kept_E, aux, metrics,
+                       keep_TK.any(-1))
+
+
+def route_metrics(keep_TK, real_TK, noop_TK, counts_E, kept_E, n_valid, lb, z=None) -> dict:
+    """On-device metrics of one routing call (read at logging steps only; no host sync here).
+
+    keep_TK: route processed by a real expert; real_TK: route asked for a real expert (valid
+    tokens only); noop_TK: route went to a no-op expert (None without no-op experts);
+    counts_E / kept_E: routes per real expert before / after dropping; n_valid: valid tokens.
+    """
+    E, K = counts_E.numel(), keep_TK.shape[1]
+    n_tok = float(max(n_valid, 1)) if isinstance(n_valid, int) else n_valid.clamp(min=1).float()
+    demand = counts_E.sum()
+    dropped_tok = (real_TK.any(-1) & ~keep_TK.any(-1)).sum()
+    m = {
+        # dropped routes / routes that asked for a real expert
+        "dropped_routes_frac": (demand - kept_E.sum()).float() / demand.clamp(min=1).float(),
+        # tokens that asked for >= 1 real expert and got none / valid tokens
+        "dropped_tokens_frac": dropped_tok.float() / n_tok,
+        # expert load = kept routes of expert e / (K*T/E), its share under perfect balance:
+        # load_max is the busiest expert (<= ~capacity_factor when dropping), load_mean the
+        # fraction of all routes processed by real experts (1 - dropped - no-op shares).
+        "load_max": kept_E.max().float() * E / (K * n_tok),
+        "load_mean": kept_E.float().mean() * E / (K * n_tok),
+        "lb_loss": lb.detach(),
+    }
+    if z is not None:
+        m["z_loss"] = z.detach()
+    if noop_TK is not None:
+        m["noop_frac"] = noop_TK.sum().float() / (K * n_tok)  # share of routes sent to no-ops
+    return m

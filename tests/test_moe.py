@@ -1,0 +1,363 @@
+"""Mixture-of-Experts layers: router semantics against a brute-force loop, backends against each other.
+
+Shape legend: T tokens, D d_model, E real experts, N no-op experts, K top_k.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mode.config import ConfigError, ModelConfig, MoEConfig, load_config
+from mode.model.layers import MLP
+from mode.moe import build_moe_mlp
+from mode.moe.native import NativeMoE
+from mode.routing.experts import ds_capacity
+
+
+def model_cfg(mlp="swiglu", d=16, f=32, **moe) -> ModelConfig:
+    cfg = ModelConfig(d_model=d, d_ff=f, n_heads=2, n_layers=2, mlp=mlp, moe=MoEConfig(layers="every", **moe))
+    cfg.validate()
+    return cfg
+
+
+def native(cfg: ModelConfig, seed=0, router_scale=10.0) -> NativeMoE:
+    torch.manual_seed(seed)
+    m = NativeMoE(cfg, 0)
+    with torch.no_grad():  # sharper routing: overflow and distinct probabilities
+        m.router.weight.mul_(router_scale)
+        m.w_in.normal_(std=0.3)
+        m.w_out.normal_(std=0.3)
+    return m
+
+
+def act(h, kind):
+    if kind == "swiglu":
+        g, u = h.chunk(2, -1)
+        return F.silu(g) * u
+    return F.gelu(h)
+
+
+# ------------------------------------------------------------------------------------------------
+# The brute-force reference: DESIGN.md 3.2 spelled out with Python loops over tokens and routes.
+
+
+def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=True):
+    E, N, K = mc.num_experts, mc.num_noop_experts, mc.top_k
+    T = x_TD.shape[0]
+    valid = [True] * T if valid is None else [bool(v) for v in valid]
+    n = sum(valid)
+    logits = x_TD.float() @ Wr.float().t()
+    probs = logits.softmax(-1)
+    choice = {}  # (t, j) -> expert
+    for t in range(T):
+        if valid[t]:
+            ranked = sorted(range(E + N), key=lambda e: -probs[t, e].item())
+            for j in range(K):
+                choice[(t, j)] = ranked[j]
+    real = [(t, j) for j in range(K) for t in range(T) if (t, j) in choice and choice[(t, j)] < E]  # route order
+    cf = mc.capacity_factor if training or mc.eval_capacity_factor is None else mc.eval_capacity_factor
+    cap = math.inf if cf is None else max(math.ceil(cf * K * n / E), mc.min_capacity)
+    kept = set()
+    for e in range(E):
+        mine = [r for r in real if choice[r] == e]
+        if mc.drop_policy == "probability":
+            mine.sort(key=lambda r: -probs[r[0], e].item())  # stable: ties stay in route order
+        kept |= set(mine[:cap] if cap != math.inf else mine)
+    rows = []
+    for t in range(T):
+        y = x_TD.new_zeros(x_TD.shape[1], dtype=torch.float32)
+        if valid[t]:
+            p = [probs[t, choice[(t, j)]] for j in range(K)]
+            live = [(t, j) in kept or choice[(t, j)] >= E for j in range(K)]
+            if K > 1 and mc.normalize_weights:
+                denom = sum(pj for pj, lj in zip(p, live) if lj or not mc.renormalize_after_drop)
+                p = [pj / denom for pj in p]
+            for j in range(K):
+                if (t, j) in kept:
+                    e = choice[(t, j)]
+                    y = y + p[j] * (act(x_TD[t] @ w_in[e], kind) @ w_out[e])
+        rows.append(y)
+    y_TD = torch.stack(rows)
+    counts = torch.tensor([sum(1 for r in real if choice[r] == e) for e in range(E)], dtype=torch.float32)
+    kept_e = torch.tensor([sum(1 for r in kept if choice[r] == e) for e in range(E)], dtype=torch.float32)
+    vmask = torch.tensor(valid)
+    pe = probs[vmask][:, :E]
+    if N:
+        pe = pe / pe.sum(-1, keepdim=True)
+    lb = E * (counts / counts.sum() * pe.mean(0)).sum()
+    z = torch.logsumexp(logits[vmask], -1).square().mean()
+    asked = {t for (t, j) in real}
+    got = {t for (t, j) in kept}
+    metrics = {
+        "dropped_routes_frac": (counts.sum() - len(kept)) / counts.sum(),
+        "dropped_tokens_frac": torch.tensor(len(asked - got) / n),
+        "load_max": kept_e.max() * E / (K * n),
+        "load_mean": kept_e.mean() * E / (K * n),
+        "lb_loss": lb,
+        "z_loss": z,
+    }
+    if N:
+        metrics["noop_frac"] = torch.tensor(sum(1 for e in choice.values() if e >= E) / (K * n))
+    kept_routes = {(t, j, choice[(t, j)]) for (t, j) in kept}
+    return y_TD, mc.lb_loss_weight * lb + mc.z_loss_weight * z, metrics, kept_routes
+
+
+def kept_routes(layer) -> set:
+    r = layer.last_routing
+    return {(t, j, int(r.idx_TK[t, j])) for t, j in r.keep_TK.nonzero().tolist()}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("policy", ["position", "probability"])
+@pytest.mark.parametrize("noops", [0, 2])
+@pytest.mark.parametrize("k", [1, 2])
+def test_native_dropping_equals_bruteforce(policy, noops, k, padded):
+    cfg = model_cfg(num_experts=4, num_noop_experts=noops, top_k=k, capacity_factor=0.5, drop_policy=policy,
+                    z_loss_weight=1e-3, lb_loss_weight=0.01)
+    m = native(cfg)
+    m.padded_groups = padded  # both group layouts (exact on CPU, padded static on accelerators)
+    x = torch.randn(2, 12, 16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(24, 16)
+    y = m(x1).view(24, 16)
+    ((y * g).sum() + m.aux_loss).backward()
+    params = [m.router.weight, m.w_in, m.w_out]
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    y_ref, aux_ref, met_ref, kept_ref = reference(x2.view(24, 16), *ref_params, cfg.moe, cfg.mlp)
+    ((y_ref * g).sum() + aux_ref).backward()
+
+    assert kept_routes(m) == kept_ref  # which routes survive
+    assert 0 < m.metrics["dropped_routes_frac"] < 1  # the case really drops
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(m.aux_loss, aux_ref)
+    assert set(m.metrics) == set(met_ref)
+    for name, v in met_ref.items():
+        torch.testing.assert_close(m.metrics[name], v.float(), msg=name)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_eval_capacity_padding_and_min_capacity():
+    """Eval mode uses eval_capacity_factor; padded tokens take no part in routing or capacity."""
+    cfg = model_cfg(num_experts=4, top_k=2, capacity_factor=1.0, eval_capacity_factor=0.25, min_capacity=3)
+    m = native(cfg).eval()
+    x = torch.randn(1, 20, 16)
+    valid = torch.arange(20)[None] < 14
+    y = m(x, valid)
+    y_ref, _, met_ref, kept_ref = reference(x[0], m.router.weight, m.w_in, m.w_out, cfg.moe, cfg.mlp,
+                                            valid=valid[0], training=False)
+    assert kept_routes(m) == kept_ref
+    torch.testing.assert_close(y[0], y_ref)
+    assert (y[0, 14:] == 0).all() and not m.last_engaged_BS[0, 14:].any()
+    # The valid prefix alone routes identically: padding changed neither capacity nor ranks.
+    torch.testing.assert_close(m(x[:, :14]), y[:, :14])
+    torch.testing.assert_close(m.metrics["dropped_tokens_frac"], met_ref["dropped_tokens_frac"].float())
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_one_expert_top1_equals_dense_mlp(mlp, cf):
+    cfg = model_cfg(mlp=mlp, num_experts=1, top_k=1, capacity_factor=cf)
+    m = native(cfg)
+    dense = MLP(16, 32, mlp)
+    with torch.no_grad():
+        dense.w_in.weight.copy_(m.w_in[0].t())
+        dense.w_out.weight.copy_(m.w_out[0].t())
+    x = torch.randn(3, 7, 16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(3, 7, 16)
+    y, y_dense = m(x1), dense(x2)
+    torch.testing.assert_close(y, y_dense)
+    (y * g).sum().backward()
+    (y_dense * g).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(m.w_in.grad[0], dense.w_in.weight.grad.t())
+    torch.testing.assert_close(m.w_out.grad[0], dense.w_out.weight.grad.t())
+    assert float(m.metrics["dropped_tokens_frac"]) == 0.0
+
+
+def test_noop_routes_get_exactly_zero_update():
+    """Integrated MoDE: a token whose routes all land on no-op experts gets a bit-exact zero."""
+    cfg = model_cfg(num_experts=2, num_noop_experts=6, top_k=2, capacity_factor=None)
+    m = native(cfg)
+    x = torch.randn(4, 16, 16, requires_grad=True)
+    y = m(x)
+    r = m.last_routing
+    only_noop = (r.idx_TK >= 2).all(-1).view(4, 16)
+    assert only_noop.any() and (~only_noop).any()
+    assert (y[only_noop] == 0).all()
+    assert not m.last_engaged_BS[only_noop].any()
+    assert 0 < float(m.metrics["noop_frac"]) < 1
+    y.sum().backward()  # no-op experts have no parameters; gradients stay finite
+    assert torch.isfinite(x.grad).all()
+
+
+def test_capacity_matches_deepspeed_exactly():
+    from deepspeed.moe.sharded_moe import _capacity
+
+    for T in (1, 7, 100, 333, 4096):
+        for E in (1, 3, 8, 64):
+            for cf in (0.1, 0.3, 0.5, 1.0, 1.25, 2.0):
+                for k in (1, 2, 3):
+                    want = int(_capacity(torch.empty(T, E), torch.tensor(cf * k), torch.tensor(2)))
+                    assert ds_capacity(T, E, cf, k, 2) == want, (T, E, cf, k)
+                    assert int(ds_capacity(torch.tensor(T), E, cf, k, 2)) == want
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed backend: DeepSpeed's MoE layer (dispatch, experts, combine) vs native.
+
+
+@pytest.fixture(scope="module")
+def ds_world():
+    import torch.distributed as dist
+
+    import mode.engine  # noqa: F401 - sets DS_ACCELERATOR=cpu before deepspeed is imported
+    import deepspeed
+
+    if not dist.is_initialized():
+        # A world of one on an in-memory store: no port, and no RANK/MASTER_PORT left in the
+        # environment for the subprocesses other tests start.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _ds_pair(cfg, stock_gate=False):
+    from mode.moe.deepspeed import DeepSpeedMoE, copy_moe_weights
+
+    nat = native(cfg, router_scale=5.0)
+    ds = DeepSpeedMoE(cfg, 0, stock_gate=stock_gate)
+    copy_moe_weights(nat, ds)
+    return nat, ds
+
+
+def _run(m, x, g):
+    x = x.clone().requires_grad_()
+    y = m(x)
+    ((y * g).sum() + (0 if m.aux_loss is None else m.aux_loss)).backward()
+    return y, x.grad
+
+
+def _expert_grads(m):
+    if isinstance(m, NativeMoE):
+        return m.router.weight.grad, list(m.w_in.grad), list(m.w_out.grad)
+    layer = m.moe.deepspeed_moe
+    gw = layer.gate.router.weight.grad if hasattr(layer.gate, "router") else layer.gate.wg.weight.grad
+    ex = layer.experts.deepspeed_experts
+    return gw, [e.w_in.weight.grad.t() for e in ex], [e.w_out.weight.grad.t() for e in ex]
+
+
+@pytest.mark.parametrize("k,cf,noops,policy", [(1, 0.5, 0, "position"), (2, 0.5, 0, "position"),
+                                               (2, None, 0, "position"), (2, 0.5, 2, "probability")])
+def test_native_and_deepspeed_agree(ds_world, k, cf, noops, policy):
+    cfg = model_cfg(num_experts=4, top_k=k, capacity_factor=cf, num_noop_experts=noops, drop_policy=policy,
+                    z_loss_weight=1e-3, backend="deepspeed")
+    nat, ds = _ds_pair(cfg)
+    x, g = torch.randn(2, 24, 16), torch.randn(2, 24, 16)
+    (y1, dx1), (y2, dx2) = _run(nat, x, g), _run(ds, x, g)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(dx1, dx2)
+    torch.testing.assert_close(nat.aux_loss, ds.aux_loss)
+    assert set(nat.metrics) == set(ds.metrics)
+    for name in nat.metrics:
+        torch.testing.assert_close(nat.metrics[name], ds.metrics[name], msg=name)
+    if cf is not None:
+        assert float(ds.metrics["dropped_routes_frac"]) > 0
+    for a, b in zip(_expert_grads(nat), _expert_grads(ds)):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(nat.last_engaged_BS, ds.last_engaged_BS)
+
+
+@pytest.mark.parametrize("k,cf", [(2, 0.5), (1, None)])
+def test_native_reproduces_deepspeed_stock_gate(ds_world, k, cf):
+    """DeepSpeed's own TopKGate (use_rts off, no 2nd-expert sampling): top-2 drops in position
+    order and renormalises over surviving routes -> native with renormalize_after_drop matches.
+    (Its top-1 gate picks overflow survivors by torch.topk tie order, so only dropless is comparable.)"""
+    cfg = model_cfg(num_experts=4, top_k=k, capacity_factor=cf, renormalize_after_drop=True, backend="deepspeed")
+    nat, ds = _ds_pair(cfg, stock_gate=True)
+    nat.router.cfg.lb_loss_weight = ds.lb_weight = 0.0  # DS's top-2 balances on first choices only
+    x, g = torch.randn(2, 24, 16), torch.randn(2, 24, 16)
+    (y1, dx1), (y2, dx2) = _run(nat, x, g), _run(ds, x, g)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(dx1, dx2)
+    for a, b in zip(_expert_grads(nat), _expert_grads(ds)):
+        torch.testing.assert_close(a, b)
+    for name in ("dropped_routes_frac", "dropped_tokens_frac", "load_max", "load_mean"):
+        torch.testing.assert_close(nat.metrics[name], ds.metrics[name], msg=name)
+    if k == 1:
+        torch.testing.assert_close(nat.metrics["lb_loss"], ds.metrics["lb_loss"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Wiring: the LM collects the layers' losses and metrics; configs refuse what cannot work.
+
+
+def test_lm_collects_moe_metrics():
+    from mode.model.lm import build_model
+
+    cfg = ModelConfig(d_model=16, d_ff=32, n_heads=2, n_layers=2, vocab_size=64,
+                      moe=MoEConfig(layers="every_other", num_experts=4, num_noop_experts=1, capacity_factor=0.5))
+    cfg.validate()
+    torch.manual_seed(0)
+    lm = build_model(cfg)
+    out = lm(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    names = {"dropped_tokens_frac", "dropped_routes_frac", "noop_frac", "load_max", "load_mean", "lb_loss", "z_loss"}
+    assert {f"moe/layer1/{n}" for n in names} <= set(out.metrics)
+    assert float(out.aux_loss.detach()) > 0
+    (out.loss + out.aux_loss).backward()
+    assert lm.blocks[1].mlp.router.weight.grad.abs().sum() > 0
+    assert lm.engaged_blocks().shape == (2, 2, 16)
+
+
+def test_presets_and_config_errors():
+    for preset in ("moe", "moe_dropping"):
+        cfg = load_config(f"configs/tiny/{preset}.yaml")
+        assert cfg.model.moe.layers == "every_other"
+        load_config(f"configs/tiny/{preset}.yaml", ["model.moe.backend=deepspeed"])
+    bad = [(["model.moe.top_k=9"], "model.moe.top_k"),
+           (["model.moe.backend=deepspeed", "model.moe.ep_size=3"], "model.moe.ep_size"),
+           (["model.moe.ep_size=2"], "model.moe.ep_size"),  # native has no expert parallelism
+           (["model.moe.capacity_factor=0"], "model.moe.capacity_factor")]
+    for overrides, key in bad:
+        with pytest.raises(ConfigError) as e:
+            load_config("configs/tiny/moe.yaml", overrides)
+        assert str(e.value).startswith(f"config error: {key}=") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="model.moe.ep_size"):  # must divide the world size
+        load_config("configs/tiny/moe.yaml", ["model.moe.backend=deepspeed", "model.moe.ep_size=4"], world_size=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_megablocks_refused_cleanly_without_cuda():
+    cfg = model_cfg(num_experts=4, backend="megablocks")
+    with pytest.raises(ConfigError) as e:
+        build_moe_mlp(cfg, 1)
+    msg = str(e.value)
+    assert msg.startswith("config error: model.moe.backend='megablocks'") and "\n" not in msg
+    assert "pip install -e '.[megablocks]'" in msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,cf,noops", [(1, 0.5, 0), (2, 1.0, 0), (2, None, 0), (1, 0.5, 2)])
+def test_megablocks_matches_native(k, cf, noops):
+    pytest.importorskip("megablocks")
+    from mode.moe.megablocks import MegaBlocksMoE, copy_native_to_megablocks
+
+    cfg = model_cfg(d=128, f=128, num_experts=4, top_k=k, capacity_factor=cf, num_noop_experts=noops,
+                    backend="megablocks")
+    nat = native(cfg, router_scale=2.0).cuda().bfloat16()  # grouped_gemm is bf16-only: compare in bf16
+    mb = MegaBlocksMoE(cfg, 0).cuda().bfloat16()
+    copy_native_to_megablocks(nat, mb)
+    x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    (y1, dx1), (y2, dx2) = _run(nat, x, g), _run(mb, x, g)
+    assert torch.equal(nat.last_routing.keep_TK, mb.router(x.view(-1, 128)).keep_TK)  # same decisions
+    tol = dict(rtol=2e-2, atol=2e-2)  # bf16 GEMMs accumulate in different orders
+    torch.testing.assert_close(y1.float(), y2.float(), **tol)
+    torch.testing.assert_close(dx1.float(), dx2.float(), **tol)
+    torch.testing.assert_close(nat.router.weight.grad.float(), mb.router.weight.grad.float(), **tol)
+    for name in nat.metrics:
+        torch.testing.assert_close(nat.metrics[name], mb.metrics[name], msg=name)
