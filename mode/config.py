@@ -359,6 +359,9 @@ class Config:
         _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
                f"<= model.max_seq_len={self.model.max_seq_len}")
         moe = self.model.moe
+        if moe.backend == "megablocks":
+            _check(self.deepspeed.precision == "bf16", "deepspeed.precision", self.deepspeed.precision,
+                   "bf16 with model.moe.backend=megablocks (its grouped GEMM is bf16-only)")
         if world_size is not None and moe.backend == "deepspeed":
             _check(world_size % moe.ep_size == 0, "model.moe.ep_size", moe.ep_size,
                    f"a divisor of the world size {world_size}")

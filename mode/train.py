@@ -87,16 +87,14 @@ class Trainer:
         cfg.validate(self.world)
         self.cfg, self.dev = cfg, eng.device()
         self.run_dir = Path(cfg.run.dir)
-        saved = None
+        saved = preflight(cfg)  # every rank reads the saved config before rank 0 replaces it
+        self._barrier()
         if self.rank == 0:
-            saved = preflight(cfg)
             if cfg.run.fresh and self.run_dir.exists():
                 shutil.rmtree(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self._barrier()
-        if saved is None and (self.run_dir / "config.yaml").exists() and self.rank != 0:
-            saved = yaml.safe_load((self.run_dir / "config.yaml").read_text())
         self.ckpt_dir = self.run_dir / "checkpoints"
 
         torch.manual_seed(cfg.train.seed)  # identical init on every rank

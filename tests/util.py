@@ -42,6 +42,7 @@ def deepspeed_train(nproc: int, config: str, *overrides, check=True, timeout=600
            "--config", config, *map(str, overrides)]
     r = subprocess.run(cmd, cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
+        Path("/tmp/ds_fail.log").write_text(r.stdout + r.stderr)
         raise AssertionError(f"deepspeed run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
 

@@ -125,11 +125,22 @@ class MLP(nn.Module):
         return self.w_out(h)
 
 
-def init_weights(model: nn.Module, std: float, n_layers: int) -> None:
-    """Normal(0, std) for matrices; output projections of residual branches scaled by 1/sqrt(2L)."""
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            s = std / math.sqrt(2 * n_layers) if name.endswith(("out.weight", "w_out.weight", "w_out")) else std
-            nn.init.normal_(p, mean=0.0, std=s)
-        elif name.endswith("bias"):
-            nn.init.zeros_(p)
+def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None = None) -> None:
+    """Normal(0, std) for matrices; output projections of residual branches scaled by 1/sqrt(2L).
+
+    Each parameter draws from its own generator seeded by (seed, its name), so the init does not
+    depend on which other parameters exist: an expert-parallel layer holding only its rank's
+    experts names them by global expert index (`p.init_key`) and gets the same weights as ep=1.
+    """
+    import zlib
+
+    seed = torch.initial_seed() if seed is None else seed
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                s = std / math.sqrt(2 * n_layers) if name.endswith(("out.weight", "w_out.weight", "w_out")) else std
+                g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(getattr(p, "init_key", name).encode()))
+                                                  % 2**63)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)

@@ -84,10 +84,16 @@ class DeepSpeedMoE(nn.Module, Routed):
         else:
             self._stock = None
             self.moe.deepspeed_moe.gate.register_forward_hook(self._capture_stock)
-        # DeepSpeed deep-copies one expert module: re-draw every expert so they differ.
+        # DeepSpeed deep-copies one expert module: re-draw every expert so they differ, and name
+        # each by its GLOBAL index for init_weights (same weights whatever the ep_size; DeepSpeed
+        # puts consecutive ranks in one expert-parallel group, so ep_rank = rank % ep_size).
+        ep_rank = torch.distributed.get_rank() % m.ep_size if torch.distributed.is_initialized() else 0
+        n_local = m.num_experts // m.ep_size
         for name, p in self.moe.named_parameters():
             if "deepspeed_experts" in name:
                 nn.init.normal_(p, std=cfg.init_std)
+                j, rest = name.split("deepspeed_experts.")[1].split(".", 1)
+                p.init_key = f"layer{layer_idx}.expert{ep_rank * n_local + int(j)}.{rest}"
         self.lb_weight = m.lb_loss_weight
         self.tag = f"moe/layer{layer_idx}"
         self.aux_loss, self.metrics = None, {}
