@@ -64,7 +64,7 @@ from mode.config import Config, ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "slurm")
 EXPERIMENT_KEYS = ("name", "description", "runs_dir", "report_dir", "launcher", "launcher_options", "nproc", "seeds",
-                   "overrides", "variants")
+                   "overrides", "variants", "match_flops", "budgets")
 VARIANT_KEYS = ("config", "seeds", "overrides", "description")
 LAUNCHER_OPTIONS = {"local": (),
                     "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "env"),
@@ -84,6 +84,7 @@ class Experiment:
     seeds: list[int]
     overrides: list[str]
     variants: dict[str, dict]
+    match_flops: dict = field(default_factory=dict)  # {variants: [...], tolerance: 0.02}
 
 
 @dataclass
@@ -176,7 +177,8 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
                       report_dir=Path(raw["report_dir"]) if raw.get("report_dir") else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
-                      overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants)
+                      overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
+                      match_flops=raw.get("match_flops") or {})
 
 
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[Run]:
@@ -287,6 +289,24 @@ def validate(exp: Experiment, runs: list[Run]) -> None:
             text = str(e).removeprefix("config error: ")
             raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
         r.status, r.resume_step = status(r)
+    check_matched_flops(exp, runs)
+
+
+def check_matched_flops(exp: Experiment, runs: list[Run]) -> dict[str, float]:
+    """`match_flops: {variants: [a, b, ...], tolerance: 0.02}` promises those variants the same
+    forward FLOPs per token (as `mode flops` counts them); refuse the grid if it does not hold."""
+    from mode.flops import count
+
+    flops = {r.variant: count(r.cfg)["forward_flops_per_token"] for r in runs}
+    names = [v for v in exp.match_flops.get("variants", []) if v in flops]
+    tol = float(exp.match_flops.get("tolerance", 0.02))
+    if names:
+        lo, hi = min(flops[v] for v in names), max(flops[v] for v in names)
+        if hi > lo * (1 + tol):
+            detail = ", ".join(f"{v}={flops[v]:.4g}" for v in names)
+            raise ConfigError("match_flops", msg=f"match_flops: forward FLOPs/token differ by {hi / lo - 1:.1%} "
+                              f"> {tol:.0%} ({detail}); retune the variants' knobs (mode flops --match)")
+    return flops
 
 
 def status(run: Run) -> tuple[str, int]:

@@ -1,0 +1,43 @@
+"""Experiment grids: every variant resolves, and the matched variants have the same forward
+FLOPs per token within 2% (as `mode flops` reports), at CPU and cluster scale."""
+import json
+
+import pytest
+
+from mode.compare import check_matched_flops, expand, load_experiment, world_size
+from mode.config import ConfigError, load_config
+from tests.util import ROOT, mode_cli
+
+MATCHED = {"dense", "mod", "moe_dropping", "mode_staged", "mode_integrated"}
+GRIDS = ["configs/experiments/quickstart.yaml", "configs/experiments/mode_vs_moe_dropping.yaml"]
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_grid_variants_have_matched_flops(grid):
+    exp = load_experiment(ROOT / grid)
+    runs = expand(exp)
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides, world_size=world_size(exp))
+    assert set(exp.match_flops["variants"]) == MATCHED
+    flops = check_matched_flops(exp, runs)
+    # independently of check_matched_flops: every matched variant within 2% of dense, via the CLI
+    dense = flops["dense"]
+    for name in MATCHED:
+        assert abs(flops[name] / dense - 1) <= 0.02, (name, flops[name], dense)
+    run = next(r for r in runs if r.variant == "mode_staged")
+    cli = json.loads(mode_cli("flops", "--config", run.config, *run.overrides, "--json").stdout)
+    assert cli["forward_flops_per_token"] == pytest.approx(flops["mode_staged"])
+    assert flops["moe"] > 1.2 * dense  # full-capacity MoE is the reference at its own FLOPs
+
+
+def test_unmatched_grid_is_refused(tmp_path):
+    src = (ROOT / "configs/experiments/quickstart.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.replace('"model.mod.capacity=0.332"', '"model.mod.capacity=0.125"')
+                   .replace("../tiny/", str(ROOT / "configs/tiny") + "/"))
+    exp = load_experiment(bad)
+    runs = expand(exp)
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides)
+    with pytest.raises(ConfigError, match="match_flops: forward FLOPs/token differ"):
+        check_matched_flops(exp, runs)
