@@ -108,6 +108,8 @@ class MoEConfig:
     """Renormalise the top-k probabilities to sum to 1 (top_k > 1); the no-op routes count in the sum."""
     renormalize_after_drop: bool = False
     """With normalize_weights: renormalise over the routes that survive capacity (DeepSpeed's stock gate) instead of over the top-k."""
+    noop_balance: str = "exclude"
+    """Load balancing with no-op experts: `exclude` (balance the real experts only; the no-op share is left to the LM loss) or `include` (balance over all E + N outputs, AdaMoE-style, so ~N/(E+N) of routes go to no-ops)."""
     jitter: float = 0.0
     """Multiplicative input jitter epsilon on the router input during training (Switch); 0 = off."""
     lb_loss_weight: float = 0.01
@@ -133,6 +135,7 @@ class MoEConfig:
         _check(self.min_capacity >= 0, k + "min_capacity", self.min_capacity, ">= 0")
         _check(self.drop_policy in ("position", "probability"), k + "drop_policy", self.drop_policy,
                "position or probability")
+        _check(self.noop_balance in ("exclude", "include"), k + "noop_balance", self.noop_balance, "exclude or include")
         _check(self.jitter >= 0, k + "jitter", self.jitter, ">= 0")
         _check(self.lb_loss_weight >= 0, k + "lb_loss_weight", self.lb_loss_weight, ">= 0")
         _check(self.z_loss_weight >= 0, k + "z_loss_weight", self.z_loss_weight, ">= 0")

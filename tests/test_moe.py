@@ -85,9 +85,14 @@ def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=T
     kept_e = torch.tensor([sum(1 for r in kept if choice[r] == e) for e in range(E)], dtype=torch.float32)
     vmask = torch.tensor(valid)
     pe = probs[vmask][:, :E]
-    if N:
-        pe = pe / pe.sum(-1, keepdim=True)
-    lb = E * (counts / counts.sum() * pe.mean(0)).sum()
+    if N and mc.noop_balance == "include":  # balance over all E + N outputs
+        all_counts = torch.tensor([sum(1 for r in choice.values() if r == e) for e in range(E + N)],
+                                  dtype=torch.float32)
+        lb = (E + N) * (all_counts / all_counts.sum() * probs[vmask].mean(0)).sum()
+    else:
+        if N:
+            pe = pe / pe.sum(-1, keepdim=True)
+        lb = E * (counts / counts.sum() * pe.mean(0)).sum()
     z = torch.logsumexp(logits[vmask], -1).square().mean()
     asked = {t for (t, j) in real}
     got = {t for (t, j) in kept}
@@ -112,11 +117,11 @@ def kept_routes(layer) -> set:
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["position", "probability"])
-@pytest.mark.parametrize("noops", [0, 2])
+@pytest.mark.parametrize("noops,balance", [(0, "exclude"), (2, "exclude"), (2, "include")])
 @pytest.mark.parametrize("k", [1, 2])
-def test_native_dropping_equals_bruteforce(policy, noops, k, padded):
+def test_native_dropping_equals_bruteforce(policy, noops, balance, k, padded):
     cfg = model_cfg(num_experts=4, num_noop_experts=noops, top_k=k, capacity_factor=0.5, drop_policy=policy,
-                    z_loss_weight=1e-3, lb_loss_weight=0.01)
+                    z_loss_weight=1e-3, lb_loss_weight=0.01, noop_balance=balance)
     m = native(cfg)
     m.padded_groups = padded  # both group layouts (exact on CPU, padded static on accelerators)
     x = torch.randn(2, 12, 16)

@@ -149,9 +149,17 @@ class ExpertRouter(nn.Module):
         # DeepSpeed's top-1 and top-k gates'; its top-2 gate counts first choices only). With N > 0
         # it measures balance among the real experts only and is indifferent to how much traffic
         # goes to no-ops: that split is left to the LM loss.
+        # noop_balance=include (AdaMoE's null experts) balances over all E + N outputs instead, so
+        # about N / (E + N) of the routes go to no-ops: without it the router has no reason to
+        # pick an output that contributes nothing, and integrated MoDE degenerates to dropping.
         vmask_T1 = None if valid_T is None else valid_T[:, None].float()
         probs_TE = probs_TX[:, :E]
-        if self.N:
+        counts_lb = counts_E
+        if self.N and cfg.noop_balance == "include":
+            probs_TE = probs_TX
+            sel_R = (idx_TK if valid_TK is None else torch.where(valid_TK, idx_TK, E + self.N)).reshape(-1)
+            counts_lb = torch.bincount(sel_R, minlength=E + self.N + 1)[:E + self.N]
+        elif self.N:
             probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)
         if vmask_T1 is None:
             P_E = probs_TE.mean(0)
@@ -160,8 +168,8 @@ class ExpertRouter(nn.Module):
             denom = n_valid.clamp(min=1).float()
             P_E = (probs_TE * vmask_T1).sum(0) / denom
             z = (torch.logsumexp(logits_TX, -1).square() * vmask_T1[:, 0]).sum() / denom
-        f_E = counts_E.float() / counts_E.sum().clamp(min=1).float()
-        lb = E * (f_E * P_E).sum()
+        f_E = counts_lb.float() / counts_lb.sum().clamp(min=1).float()
+        lb = f_E.numel() * (f_E * P_E).sum()
         aux = cfg.lb_loss_weight * lb + cfg.z_loss_weight * z
 
         metrics = route_metrics(keep_TK, real_TK, noop_TK if self.N else None, counts_E, kept_E, n_valid, lb, z)
