@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="validate every run and print the plan; start nothing")
     p.add_argument("--only", nargs="+", metavar="VARIANT", default=None, help="run only these variants")
     p.add_argument("--runs-dir", default=None, help="override the experiment's runs_dir (e.g. a longer rerun)")
-    p.add_argument("--seeds", nargs="+", type=int, default=None, help="override every variant's seeds")
+    p.add_argument("--seeds", default=None, metavar="0,1,...", help="override every variant's seeds (comma-separated)")
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="applied to every run")
     a = p.parse_args(argv)
     only = [v for v in a.only or [] if "=" not in v] or None
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
         if a.runs_dir:
             exp.runs_dir, exp.report_dir = Path(a.runs_dir), None
         if a.seeds:
-            exp.seeds = a.seeds
+            exp.seeds = _seed_list([int(x) for x in a.seeds.split(",")], exp.path, "--seeds")
             for v in exp.variants.values():
                 v.pop("seeds", None)
         runs = expand(exp, only, extra)
