@@ -413,7 +413,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs-dir", default=None, help="override the experiment's runs_dir (e.g. a longer rerun)")
     p.add_argument("--seeds", default=None, metavar="0,1,...", help="override every variant's seeds (comma-separated)")
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="applied to every run")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     only = [v for v in a.only or [] if "=" not in v] or None
     extra = [*a.overrides, *[v for v in a.only or [] if "=" in v]]
 
