@@ -184,6 +184,10 @@ class Trainer:
         return acc.read()
 
     def dump_routing(self) -> None:
+        with torch.random.fork_rng(devices=[]):
+            self._dump_routing()
+
+    def _dump_routing(self) -> None:
         model = self.engine.module
         x, _ = next(self.data.val_batches(1, self.cfg.train.micro_batch_size))
         with torch.no_grad():
@@ -193,6 +197,8 @@ class Trainer:
         p = torch.log_softmax(out.logits.float(), -1)
         entropy = -(p.exp() * p).sum(-1)
         engaged = model.engaged_blocks()
+        if self.rank != 0:
+            return
         if engaged is None:
             engaged = torch.ones(self.cfg.model.n_layers, *x.shape, dtype=torch.bool)
         torch.save({"input_ids": x.cpu(), "engaged": engaged.cpu(), "entropy": entropy.cpu(),
@@ -243,9 +249,9 @@ class Trainer:
                 bar.update(1)
         if bar is not None:
             bar.close()
+        if cfg.log.routing_dump and self.step == t.max_steps:
+            self.dump_routing()  # every rank: expert-parallel layers need all ranks in the forward
         if self.rank == 0 and self.step == t.max_steps:
-            if cfg.log.routing_dump:
-                self.dump_routing()
             (self.run_dir / "DONE").write_text(json.dumps(last))
             print(f"TensorBoard logs: {self.run_dir / 'tb'}", file=sys.stderr)
         self.tb.close()

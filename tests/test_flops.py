@@ -17,6 +17,13 @@ VARIANTS = {
     "dense_gelu_untied": ["model.mlp=gelu", "model.tie_embeddings=false"],
     "mod": ["model.mod.layers=every_other", "model.mod.capacity=0.125"],
     "mod_every_aux": ["model.mod.layers=every", "model.mod.capacity=0.25", "model.mod.causal=aux_loss"],
+    # MoE counted at capacity: capacity factor 0.25 fills every expert, so the native backend
+    # (which computes only kept routes) does exactly the capacity's work
+    "moe_at_capacity": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25"],
+    "staged": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25",
+               "model.mod.layers=every_other", "model.mod.capacity=0.25"],
+    "integrated": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25",
+                   "model.moe.num_noop_experts=8", "model.moe.noop_balance=include"],
 }
 
 

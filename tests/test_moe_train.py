@@ -38,3 +38,22 @@ def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path):
     # step 5's loss is computed with the weights saved at step 4: the weights were resumed
     assert other[5] == pytest.approx(straight[5], rel=1e-4)
     assert list(other) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("preset", ["mode_staged", "mode_integrated"])
+def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, preset):
+    from tests.util import mode_cli
+
+    common = [*TINY, "model.n_layers=2", "model.moe.backend=deepspeed", "model.moe.num_experts=4",
+              "model.moe.num_noop_experts=" + ("4" if preset == "mode_integrated" else "0"),
+              "train.max_steps=4", "train.log_every=1", "train.eval_every=4", "log.routing_dump=true"]
+    mode_cli("train", "--config", f"configs/tiny/{preset}.yaml", *common, "train.micro_batch_size=4",
+             "model.moe.ep_size=1", f"run.dir={tmp_path / 'one'}")
+    deepspeed_train(2, f"configs/tiny/{preset}.yaml", *common, "train.micro_batch_size=2", "model.moe.ep_size=2",
+                    f"run.dir={tmp_path / 'ep2'}")
+    a, b = scalars(tmp_path / "one", "train/loss"), scalars(tmp_path / "ep2", "train/loss")
+    assert list(a) == list(b) == [1, 2, 3, 4]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-4)
+    tag = "moe/layer1/noop_frac" if preset == "mode_integrated" else "mod/layer1/predictor_acc"
+    assert scalars(tmp_path / "ep2", tag)
