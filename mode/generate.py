@@ -117,13 +117,18 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, config) from run_dir/config.yaml and the newest complete
     checkpoint's plain state_dict (model.pt): no DeepSpeed needed."""
-    from mode.config import load_config
+    from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir}/config.yaml not found: is {run_dir} a run directory?")
-    cfg = load_config(run_dir / "config.yaml")
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError as e:  # sampling reads no data: a training file that moved must not block it
+        if e.key != "data.source":
+            raise
+        cfg = load_config(run_dir / "config.yaml", ["data.source=stdlib"])
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"no complete checkpoint (checkpoints/step_*/model.pt) under {run_dir}")

@@ -106,5 +106,8 @@ def test_generate_text_and_load_run(tmp_path):
     assert cfg2.model.mod.layers == "every_other" and not loaded.training
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
+    cfg.data.source = str(tmp_path / "moved.txt")  # the training data is gone: sampling still works
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    assert load_run(tmp_path)[2].model == cfg.model
     texts = cli_generate(str(tmp_path), ["ab"], max_new_tokens=4, temperature=0.0, seed=0)
     assert texts == ["ab" + generate(model, tok, ["ab"], 4, temperature=0.0)[0]]
