@@ -18,3 +18,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """In-process tests use tiny tensors: a second OpenMP thread only adds synchronisation, and
+    spins badly when the (2-core) machine is busy with a test's subprocesses."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

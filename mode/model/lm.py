@@ -66,6 +66,7 @@ class LM(nn.Module):
         for m in self.routed:
             if m.aux_loss is not None:
                 aux = aux + m.aux_loss
+                m.aux_loss = None  # hand the graph over: modules keep no autograd state between calls
             metrics.update({f"{m.tag}/{k}": v for k, v in m.metrics.items()})
         loss = None
         if targets_BS is not None:
