@@ -14,6 +14,7 @@ setup(
         "tensorboard>=2.15",
         "pyyaml>=6",
         "tqdm>=4.60",
+        "tokenizers>=0.15",  # Hugging Face tokenizers from a local directory (light: no transformers)
         "matplotlib>=3.7",
         "numpy",
     ],
