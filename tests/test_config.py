@@ -1,5 +1,4 @@
 """Config schema, inheritance, overrides and one-line errors (before any worker starts)."""
-from pathlib import Path
 
 import pytest
 
