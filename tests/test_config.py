@@ -67,3 +67,8 @@ def test_every_field_documented():
     assert "| `model.mod.capacity` |" in md
     assert all(line.rstrip().endswith("|") and not line.rstrip().endswith("|  |")
                for line in md.splitlines() if line.startswith("| `"))
+
+
+def test_readme_config_reference_is_current():
+    readme = (ROOT / "README.md").read_text()
+    assert markdown_reference().strip() in readme, "regenerate: python -m mode.config --markdown"
