@@ -24,15 +24,6 @@ def tiny(layers="every_other", causal="predictor", vocab=320, seed=0):
     return model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny ops: a second OpenMP thread only adds sync cost, and spins badly on a loaded machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [7]]
 
 

@@ -18,15 +18,6 @@ from mode.routing.depth import DepthRouter, capacity_k, topk_sorted
 D, H, S = 32, 2, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny ops: a second OpenMP thread only adds sync cost, and spins badly on a loaded machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def model_cfg(layers="every_other", capacity=0.25, **mod):
     return ModelConfig(vocab_size=64, d_model=D, n_layers=4, n_heads=H, d_ff=64, max_seq_len=64,
                        mod=ModConfig(layers=layers, capacity=capacity, **mod))
