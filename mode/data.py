@@ -131,8 +131,11 @@ class DataModule:
         self.val = Split(pack(parts["test"], self.tokenizer, cfg.seq_len))
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.cfg.split_seed * 1000003 + epoch)
-        return torch.randperm(len(self.train), generator=g)
+        """The epoch's sampling order; the last one is kept (a batch needs at most two epochs)."""
+        if getattr(self, "_perm_epoch", None) != epoch:
+            g = torch.Generator().manual_seed(self.cfg.split_seed * 1000003 + epoch)
+            self._perm_epoch, self._perm_cache = epoch, torch.randperm(len(self.train), generator=g)
+        return self._perm_cache
 
     def train_rows(self, step: int, micro: int, micro_batch: int, accum: int) -> torch.Tensor:
         """Indices of the packed training sequences this rank reads at (step, micro)."""
