@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-fast bench install clean
 
 $(PY):
 	python3 -m venv .venv
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Unit tier: no process starts, no training (tests marked `slow` are deselected).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mod.py

@@ -1,4 +1,5 @@
-"""Shared pytest setup: the `gpu` marker (tests that need CUDA are skipped without it)."""
+"""Shared pytest setup: the `gpu` marker (tests that need CUDA are skipped without it) and the
+`slow` marker (tests that start processes or train; `make test-fast` leaves them out)."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (and, for MegaBlocks, the [megablocks] extra); "
                                        "skipped on machines without CUDA")
+    config.addinivalue_line("markers", "slow: starts a process or trains; `make test-fast` deselects it")
 
 
 def pytest_collection_modifyitems(config, items):
