@@ -112,6 +112,7 @@ def last(series: dict[int, float]) -> float:
 # Reading.
 
 
+@pytest.mark.slow
 def test_resumed_run_is_merged_latest_write_wins(runs_dir):
     dense = runs_dir / "dense_seed0"
     files = raw_by_file(dense)
@@ -139,6 +140,7 @@ def test_resumed_run_is_merged_latest_write_wins(runs_dir):
     np.testing.assert_allclose(tokens, steps * run.info["tokens_per_step"])
 
 
+@pytest.mark.slow
 def test_rows_are_keyed_by_run_variant_seed_tag_step(runs_dir):
     runs = tb.load_runs(runs_dir)
     assert {r.name for r in runs} >= {"dense_seed0", "dense_seed1"}
@@ -154,6 +156,7 @@ def test_rows_are_keyed_by_run_variant_seed_tag_step(runs_dir):
                 assert row.seed == int(run[-1])
 
 
+@pytest.mark.slow
 def test_in_progress_run_with_truncated_event_file_and_no_metadata(runs_dir, tmp_path):
     """A run still writing: last record cut in half, no DONE, no run_info.json yet."""
     src = runs_dir / "dense_seed1"
@@ -178,6 +181,7 @@ def test_in_progress_run_with_truncated_event_file_and_no_metadata(runs_dir, tmp
 # The report.
 
 
+@pytest.mark.slow
 def test_table_holds_logged_numbers(runs_dir, report_dir):
     summary = json.loads((report_dir / "summary.json").read_text())
     text = (report_dir / "report.md").read_text()
@@ -206,6 +210,7 @@ def test_table_holds_logged_numbers(runs_dir, report_dir):
     assert f"{np.mean(rates):.0f}" in row or f"{np.mean(rates):.3g}" in row
 
 
+@pytest.mark.slow
 def test_table_routing_columns(runs_dir, report_dir):
     mod_dir = need(runs_dir, "mod")
     raw = raw_merged(mod_dir)
@@ -218,6 +223,7 @@ def test_table_routing_columns(runs_dir, report_dir):
     assert s["predictor_acc"] == pytest.approx(np.mean(acc))
 
 
+@pytest.mark.slow
 def test_table_expert_columns(runs_dir, report_dir):
     run_dir = need(runs_dir, "mode_integrated")
     raw = raw_merged(run_dir)
@@ -240,6 +246,7 @@ def assert_png(path: Path) -> None:
     assert img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.01, f"{path} looks blank"
 
 
+@pytest.mark.slow
 def test_figures_are_written(report_dir):
     text = (report_dir / "report.md").read_text()
     for name in ("loss_vs_step.png", "loss_vs_flops.png", "loss_vs_time.png", "routing_per_layer.png"):
@@ -247,6 +254,7 @@ def test_figures_are_written(report_dir):
         assert f"({name})" in text
 
 
+@pytest.mark.slow
 def test_routing_analysis(runs_dir, report_dir):
     mod_dir = need(runs_dir, "mod")
     dump = routing.load_dump(mod_dir / "routing.pt")
@@ -267,6 +275,7 @@ def test_routing_analysis(runs_dir, report_dir):
     assert frac[0] == 1.0 and 0 < frac[1] < 1
 
 
+@pytest.mark.slow
 def test_dense_routing_dump_has_no_correlation(runs_dir):
     dump = routing.load_dump(runs_dir / "dense_seed0" / "routing.pt")
     assert dump.engaged_LBS.all()
@@ -274,6 +283,7 @@ def test_dense_routing_dump_has_no_correlation(runs_dir):
     assert routing.token_labels(np.array([100, 32, 10, 256, 200]), True) == ["d", "␣", "⏎", "¶", "·"]
 
 
+@pytest.mark.slow
 def test_cli(runs_dir, tmp_path):
     out = tmp_path / "cli_out"
     proc = subprocess.run([sys.executable, "-m", "mode.cli", "analyze", str(runs_dir), "--out", str(out)],

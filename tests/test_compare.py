@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.util import PY, ROOT, TINY, env, mode_cli, scalars
@@ -41,6 +42,7 @@ def last_line(r) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
     exp = experiment(tmp_path)
     runs = tmp_path / "runs"
@@ -75,6 +77,7 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
     print(f"\nsecond invocation with every run done: {time.monotonic() - t0:.1f}s")
 
 
+@pytest.mark.slow
 def test_bad_grid_is_refused_before_any_run_starts(tmp_path):
     exp = experiment(tmp_path, seeds=[0, 1])
     spec = yaml.safe_load(exp.read_text())
@@ -95,6 +98,7 @@ def test_bad_grid_is_refused_before_any_run_starts(tmp_path):
     assert r.returncode == 2 and "variants.mod must be a mapping with a `config:` path" in r.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_expands_variants_and_seeds(tmp_path):
     exp = experiment(tmp_path, seeds=[0, 1], nproc=2)
     r = mode_cli("compare", exp, "--dry-run", "--only", "mod")
@@ -113,6 +117,7 @@ def test_dry_run_expands_variants_and_seeds(tmp_path):
     assert "--env NCCL_DEBUG=WARN" in r.stdout
 
 
+@pytest.mark.slow
 def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -140,6 +145,7 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     assert r.stderr.count("is queued or running") == 2 and len(log.read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_the_grid(tmp_path):
     """launcher: deepspeed (here one node, two ranks) goes through launch/run.py."""
     exp = experiment(tmp_path, launcher="deepspeed", launcher_options={"num_gpus": 2, "env": {"MODE_TEST_VAR": "1"}})

@@ -37,6 +37,7 @@ def test_bad_values_name_key_value_and_allowed(override, needle):
     assert msg.startswith("config error:") and needle in msg and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "model.mod.capacity=0", f"run.dir={tmp_path}/r",
                  check=False)
@@ -46,17 +47,20 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing started
 
 
+@pytest.mark.slow
 def test_cli_missing_config_file():
     r = mode_cli("train", "--config", "nope.yaml", check=False)
     assert r.returncode == 2 and r.stderr.strip().startswith("config error: --config='nope.yaml'")
 
 
+@pytest.mark.slow
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
     r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "model.vocab_size=200", f"run.dir={tmp_path}/r",
                  check=False)
     assert r.returncode == 2 and "model.vocab_size=200" in r.stderr
 
 
+@pytest.mark.slow
 def test_print_config_resolves():
     r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17", "--print-config")
     assert "max_steps: 17" in r.stdout and "d_model: 128" in r.stdout

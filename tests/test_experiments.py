@@ -24,10 +24,19 @@ def test_grid_variants_have_matched_flops(grid):
     dense = flops["dense"]
     for name in MATCHED:
         assert abs(flops[name] / dense - 1) <= 0.02, (name, flops[name], dense)
+    assert flops["moe"] > 1.2 * dense  # full-capacity MoE is the reference at its own FLOPs
+
+
+@pytest.mark.slow
+def test_cli_flops_agree_with_the_grid_check():
+    exp = load_experiment(ROOT / GRIDS[0])
+    runs = expand(exp)
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides, world_size=world_size(exp))
+    flops = check_matched_flops(exp, runs)
     run = next(r for r in runs if r.variant == "mode_staged")
     cli = json.loads(mode_cli("flops", "--config", run.config, *run.overrides, "--json").stdout)
     assert cli["forward_flops_per_token"] == pytest.approx(flops["mode_staged"])
-    assert flops["moe"] > 1.2 * dense  # full-capacity MoE is the reference at its own FLOPs
 
 
 def test_unmatched_grid_is_refused(tmp_path):

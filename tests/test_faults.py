@@ -26,6 +26,7 @@ CFG = "configs/tiny/dense.yaml"
 # (a) One rank of a two-node job killed with SIGKILL.
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_ends_the_job_and_rerun_resumes_exactly(tmp_path):
     """Two simulated nodes training the expert-parallel model (all-to-all between the nodes)."""
     steps = 24
@@ -140,6 +141,7 @@ def run_script(tmp_path: Path, args: dict) -> dict:
 # (b) A kill while a checkpoint is being written.
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path):
     run = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "checkpoint.every=2",
            "checkpoint.keep=3", "optim.warmup_steps=2"]
@@ -176,6 +178,7 @@ NF = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "ch
       "optim.warmup_steps=2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 2])
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, zero):
     d = tmp_path / "run"
@@ -193,6 +196,7 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, zero):
     assert (d / "DONE").exists()
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_policy_names_step_and_layers(tmp_path):
     res = run_script(tmp_path, {"config": CFG, "nan_grad": [3],
                                 "overrides": [*NF, "train.nonfinite=stop", f"run.dir={tmp_path / 'run'}"]})
@@ -204,6 +208,7 @@ def test_nonfinite_stop_policy_names_step_and_layers(tmp_path):
     assert not (tmp_path / "run" / "DONE").exists()
 
 
+@pytest.mark.slow
 def test_nonfinite_too_many_in_a_row_stops(tmp_path):
     res = run_script(tmp_path, {"config": CFG, "nan_forward": [3, 4, 5],
                                 "overrides": [*NF, "train.max_consecutive_nonfinite=3",
@@ -217,6 +222,7 @@ def test_nonfinite_too_many_in_a_row_stops(tmp_path):
 # (d) A run directory written by an incompatible config.
 
 
+@pytest.mark.slow
 def test_incompatible_run_dir_is_refused_unless_fresh(tmp_path):
     d = tmp_path / "run"
     run = [*TINY, "train.max_steps=2", "train.eval_every=0", f"run.dir={d}"]

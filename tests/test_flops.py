@@ -51,6 +51,7 @@ def test_mod_costs_less_than_dense():
     assert mod["forward_flops_per_token"] < 0.8 * dense["forward_flops_per_token"]
 
 
+@pytest.mark.slow
 def test_cli_json():
     r = mode_cli("flops", "--config", "configs/tiny/dense.yaml", "--json")
     c = json.loads(r.stdout)

@@ -115,6 +115,7 @@ def assert_losses_equal(a_dir: Path, b_dir: Path, steps: int) -> None:
 # Validation before launch.
 
 
+@pytest.mark.slow
 def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
     t0 = time.monotonic()
     r = launch_run("--num_gpus", 2, "--config", "configs/tiny/dense.yaml", "model.n_heads=5",
@@ -147,6 +148,7 @@ def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_dry_run_prints_launcher_commands(tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile")
     r = launch_run("--hostfile", hostfile, "--no_ssh", "--node_rank", 1, "--master_addr", "10.0.0.1",
@@ -196,12 +198,14 @@ def one_launcher(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_two_deepspeed_launchers_match_one(tmp_path, one_launcher):
     run_two_nodes(tmp_path, EP_CONFIG, *EP_RUN, f"run.dir={tmp_path / 'run'}")
     assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
     assert (tmp_path / "run" / "DONE").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_match_one_launcher(tmp_path, one_launcher):
     port = free_port()
     procs = []
@@ -216,6 +220,7 @@ def test_torchrun_two_nodes_match_one_launcher(tmp_path, one_launcher):
     assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
 
 
+@pytest.mark.slow
 def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
     """launch/slurm.sbatch under a fake `srun` that runs its task once per node on this machine."""
     bin_dir = tmp_path / "bin"

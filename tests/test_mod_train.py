@@ -1,4 +1,5 @@
 """Mixture-of-Depths trained on the embedded default data through the real trainer."""
+import pytest
 from tests.util import mode_cli, scalars
 
 # Every block routed at 12.5%, so which tokens get processed decides most of the model; the
@@ -9,6 +10,7 @@ SETUP = ["model.d_model=64", "model.d_ff=256", "data.seq_len=64", "train.max_ste
          "model.mod.gate=sigmoid"]
 
 
+@pytest.mark.slow
 def test_learned_routing_beats_stochastic_routing(tmp_path):
     for routing in ("learned", "stochastic"):
         mode_cli("train", "--config", "configs/tiny/mod.yaml", *SETUP, f"model.mod.routing={routing}",

@@ -11,6 +11,7 @@ MOE = [*TINY, "model.moe.backend=deepspeed", "model.moe.num_experts=4", "model.m
        "train.micro_batch_size=2"]
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_ep1(tmp_path):
     deepspeed_train(2, CFG, *MOE, "train.max_steps=6", "model.moe.ep_size=1", f"run.dir={tmp_path / 'ep1'}")
     deepspeed_train(2, CFG, *MOE, "train.max_steps=6", "model.moe.ep_size=2", f"run.dir={tmp_path / 'ep2'}")
@@ -24,6 +25,7 @@ def test_expert_parallel_matches_ep1(tmp_path):
     assert da and db[6] == pytest.approx(da[6], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path):
     run = [*MOE, "train.max_steps=8", "model.moe.ep_size=2"]
     deepspeed_train(2, CFG, *run, f"run.dir={tmp_path / 'straight'}")
@@ -42,6 +44,7 @@ def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path):
     assert list(other) == list(range(1, 9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["mode_staged", "mode_integrated"])
 def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, preset):
     from tests.util import mode_cli

@@ -8,6 +8,7 @@ from tests.util import TINY, deepspeed_train, mode_cli, scalars
 CFG = "configs/tiny/dense.yaml"
 
 
+@pytest.mark.slow
 def test_end_to_end_tiny_run_learns(tmp_path):
     run = tmp_path / "run"
     mode_cli("train", "--config", CFG, *TINY, "data.max_documents=60", "train.max_steps=60", "train.eval_every=30",
@@ -35,15 +36,18 @@ def _resume_check(tmp_path, launch):
     assert scalars(tmp_path / "straight", "eval/loss") == scalars(tmp_path / "resumed", "eval/loss")
 
 
+@pytest.mark.slow
 def test_resume_is_exact_single_process(tmp_path):
     _resume_check(tmp_path, lambda *o: mode_cli("train", "--config", CFG, *o, "train.micro_batch_size=4",
                                                 "train.grad_accum=2"))
 
 
+@pytest.mark.slow
 def test_resume_is_exact_two_processes(tmp_path):
     _resume_check(tmp_path, lambda *o: deepspeed_train(2, CFG, *o, "train.micro_batch_size=2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 2])
 def test_two_processes_match_one_process(tmp_path, zero):
     common = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=4", f"deepspeed.zero_stage={zero}"]
