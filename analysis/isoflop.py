@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from analysis.report import TRAIN_FLOPS_PER_FORWARD_FLOP, forward_flops_per_token, variant_colors
-from analysis.tb import Run, load_runs, variant_sort_key
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, load_runs, variant_colors,
+                         variant_sort_key)
 
 
 def training_budget(run: Run) -> float | None:

@@ -25,9 +25,9 @@ from typing import Callable
 
 import numpy as np
 
-from analysis.tb import Run, group_by_variant, load_runs
-
-TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward)
+# The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, group_by_variant, load_runs,
+                         variant_colors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,11 +58,6 @@ def causal_routing_acc(run: Run) -> float | None:
 def causal_gap(run: Run) -> float | None:
     a, b = run.last("eval/loss_causal"), run.last("eval/loss")
     return None if a is None or b is None else a - b
-
-
-def forward_flops_per_token(run: Run) -> float | None:
-    f = run.info.get("forward_flops_per_token")
-    return float(f) if f is not None else run.last("perf/flops_per_token")
 
 
 @dataclass(frozen=True)
@@ -188,10 +183,6 @@ def elapsed_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
     return values_at_steps(run, "perf/elapsed_s", steps, median_after_warmup(run, "perf/step_time_s"))
 
 
-def variant_colors(variants: list[str]) -> dict[str, str]:
-    return {v: f"C{i % 10}" for i, v in enumerate(variants)}
-
-
 def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
     """Train loss (faint) and eval loss (markers) of every run, one colour per variant.
     x: "step", "flops" (cumulative training FLOPs) or "time" (perf/elapsed_s)."""
@@ -235,25 +226,31 @@ def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
 # Per-layer routing.
 
 
-def n_layers_of(run: Run) -> int | None:
-    n = run.cfg("model.n_layers")
-    return int(n) if n is not None else None
+def run_plan(run: Run):
+    """The run's layer plan (mode/plan.py) from its saved config, or None (no or foreign config)."""
+    from mode.config import ConfigError, ModelConfig, _build
+    from mode.plan import layer_plan
+
+    model = run.config.get("model") if isinstance(run.config, dict) else None
+    if not isinstance(model, dict):
+        return None
+    try:
+        return layer_plan(_build(ModelConfig, model, "model."))
+    except (ConfigError, TypeError, ValueError):
+        return None
 
 
 def processed_frac_from_logs(run: Run) -> np.ndarray | None:
-    """[L] fraction of tokens each block processes, when no routing dump exists: the MoD
-    capacity in depth-routed layers times (1 − no-op fraction) in MoE layers."""
-    L = n_layers_of(run)
-    if L is None:
+    """[L] fraction of tokens whose MLP update each block computes, when no routing dump exists:
+    the depth-routing capacity of the block (or of its MLP, decoupled) times (1 − no-op
+    fraction) in MoE layers."""
+    plan = run_plan(run)
+    if plan is None:
         return None
-    frac = np.ones(L)
-    cap = run.cfg("model.mod.capacity")
-    for i in run.layer_tags("mod"):
-        if i < L and cap is not None:
-            frac[i] *= float(cap)
-    for i, names in run.layer_tags("moe").items():
-        if i < L and "noop_frac" in names:
-            frac[i] *= 1.0 - run.last(f"moe/layer{i}/noop_frac")
+    frac = np.array([lp.mlp_frac() for lp in plan])
+    for lp in plan:
+        if lp.mlp == "moe" and run.last(f"moe/layer{lp.index}/noop_frac") is not None:
+            frac[lp.index] *= 1.0 - run.last(f"moe/layer{lp.index}/noop_frac")
     return frac
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import yaml
 
 EVENT_GLOB = "events.out.tfevents.*"
+TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward)
 _SEED_SUFFIX = re.compile(r"^(?P<variant>.+?)[_-]seed(?P<seed>\d+)$")
 
 
@@ -238,3 +239,12 @@ VARIANT_ORDER = ("dense", "mod", "moe", "moe_dropping", "mode_staged", "mode_int
 def variant_sort_key(name: str):
     """Baselines first in the order the comparison reads, then anything else alphabetically."""
     return (VARIANT_ORDER.index(name), "") if name in VARIANT_ORDER else (len(VARIANT_ORDER), name)
+
+
+def forward_flops_per_token(run: Run) -> float | None:
+    f = run.info.get("forward_flops_per_token")
+    return float(f) if f is not None else run.last("perf/flops_per_token")
+
+
+def variant_colors(variants: list[str]) -> dict[str, str]:
+    return {v: f"C{i % 10}" for i, v in enumerate(variants)}

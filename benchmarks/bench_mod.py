@@ -26,6 +26,7 @@ from mode.config import ModConfig, ModelConfig  # noqa: E402
 from mode.mod import MoDBlock  # noqa: E402
 from mode.model import build_model  # noqa: E402
 from mode.model.blocks import DenseBlock  # noqa: E402
+from mode.routed import Ctx  # noqa: E402
 from mode.routing.depth import capacity_k  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
         pos_BS = torch.arange(S).expand(B, S)
 
         def step_dense():
-            y = x_BSD + dense(x_BSD, pos_BS)
+            y = x_BSD + dense(x_BSD, Ctx(pos_BS))
             y.backward(gy_BSD)
 
         for c in caps:
@@ -75,7 +76,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             mod = MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0)
 
             def step_mod():
-                y = mod(x_BSD, pos_BS)
+                y = x_BSD + mod(x_BSD, Ctx(pos_BS))
                 torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
 
             # The wrapped block alone on B x k tokens: the floor the routing overhead sits on.
@@ -84,7 +85,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
 
             def step_inner():
-                dense(xk_BKD, pos_BK).backward(gk_BKD)
+                dense(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
 
             t_dense, t_mod, t_inner = timeit_interleaved([step_dense, step_mod, step_inner], reps)
             limit = block_flops(S, D, F) / block_flops(S, D, F, k)

@@ -53,12 +53,23 @@ def _check_layers(spec: LayerSpec, key: str, n_layers: int) -> None:
         _check(all(0 <= i < n_layers for i in spec), key, spec, f"layer indices in [0, {n_layers})")
 
 
+Capacity = Union[float, List[float]]
+
+
 @dataclass
 class ModConfig:
     layers: LayerSpec = "none"
     """Blocks wrapped in depth routing: `none`, `every`, `every_other` (layers 1, 3, ...), or a list of layer indices."""
-    capacity: float = 0.125
-    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)); in (0, 1]."""
+    capacity: Capacity = 0.125
+    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)); in (0, 1]. A list gives one value per routed layer (a per-layer schedule)."""
+    decoupled: bool = False
+    """Route attention and MLP separately, each with its own router and capacity (attn_capacity, mlp_capacity) instead of the whole block."""
+    attn_capacity: Optional[Capacity] = None
+    """With decoupled: capacity of the attention router (a fraction or one per routed layer); null = capacity."""
+    mlp_capacity: Optional[Capacity] = None
+    """With decoupled: capacity of the MLP router (a fraction or one per routed layer); null = capacity."""
+    kv: str = "selected"
+    """Keys/values of routed attention: `selected` (only processed tokens compute Q, K, V: the paper) or `all` (every token gives K/V, only selected tokens compute queries and take the update; at decode every token appends K/V)."""
     gate: str = "identity"
     """g(r) multiplying the block's update of selected tokens: `identity` (paper: x + r * f(x)) or `sigmoid`."""
     routing: str = "learned"
@@ -74,7 +85,19 @@ class ModConfig:
 
     def validate(self, n_layers: int) -> None:
         _check_layers(self.layers, "model.mod.layers", n_layers)
-        _check(0.0 < self.capacity <= 1.0, "model.mod.capacity", self.capacity, "a fraction in (0, 1]")
+        n_routed = len(resolve_layers(self.layers, n_layers))
+        for name in ("capacity", "attn_capacity", "mlp_capacity"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            key = f"model.mod.{name}"
+            if isinstance(v, list):
+                _check(len(v) == n_routed, key, v, f"a fraction or a list of {n_routed} (one per routed layer)")
+            _check(all(0.0 < c <= 1.0 for c in (v if isinstance(v, list) else [v])), key, v,
+                   "a fraction in (0, 1] (or a list of them, one per routed layer)")
+            if name != "capacity" and not self.decoupled:
+                _check(False, key, v, "null unless model.mod.decoupled is true")
+        _check(self.kv in ("selected", "all"), "model.mod.kv", self.kv, "selected or all")
         _check(self.gate in ("identity", "sigmoid"), "model.mod.gate", self.gate, "identity or sigmoid")
         _check(self.routing in ("learned", "stochastic"), "model.mod.routing", self.routing, "learned or stochastic")
         _check(self.causal in ("aux_loss", "predictor", "both", "none"), "model.mod.causal", self.causal,

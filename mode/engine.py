@@ -130,10 +130,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def uses_deepspeed_moe(cfg: Config) -> bool:
-    from mode.config import resolve_layers
+    from mode.plan import has_moe, layer_plan
 
-    m = cfg.model.moe
-    return m.backend == "deepspeed" and bool(resolve_layers(m.layers, cfg.model.n_layers))
+    return cfg.model.moe.backend == "deepspeed" and has_moe(layer_plan(cfg.model))
 
 
 def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):

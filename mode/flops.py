@@ -1,28 +1,31 @@
-"""Analytic parameters and forward FLOPs per token, per block kind and for the model.
+"""Analytic parameters and forward FLOPs per token: the layer plan's units, composed.
 
-Conventions (checked against torch.utils.flop_counter.FlopCounterMode on the real modules):
+Each unit reports its own cost (`cost` static methods: parameters and forward FLOPs per token it
+processes, given how many tokens it sees); this module walks the layer plan (`mode/plan.py`) the
+way the model builder does and composes them. Conventions (checked against
+torch.utils.flop_counter.FlopCounterMode on the real modules, exactly):
 - a matmul of [M, K] x [K, N] costs 2*M*K*N; elementwise ops, norms, softmax are not counted;
-- attention scores and values cost 4 * S_proc * d per processed token: the full S x S product,
-  which is what SDPA kernels without causal block skipping compute (S_proc = the tokens the
-  block actually processes: k = round(capacity * S) in a depth-routed block);
+- attention scores and values cost 4 * S_kv * d per query token: the full product, which is
+  what SDPA kernels without causal block skipping compute (a depth-routed attention sees
+  k = round(capacity * S) queries, and k keys, or all S keys with `kv: all`);
 - expert MLPs are counted at capacity: k * min(1, capacity_factor) routes per token
   (dropless: k). This is what capacity-padded implementations compute, and the upper bound of
   what the native backend computes; with no-op experts the real-expert capacity still bounds it;
-- a depth-routed block counts its router (and predictor) on every token and its inner block on
-  the processed fraction of tokens.
+- a depth-routed unit counts its router (and predictor) on every token and the unit on the
+  processed fraction of tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mode.config import Config, ModelConfig, resolve_layers
+from mode.config import Config, ModelConfig
+from mode.mod import MoDBlock
+from mode.model.blocks import AttnSublayer, MLPSublayer
+from mode.model.layers import MLP
+from mode.moe.base import MoEBase
+from mode.plan import LayerPlan, Route, layer_plan
+from mode.routed import Cost
 from mode.routing.depth import capacity_k
-
-
-def _mlp(d: int, f: int, kind: str) -> tuple[int, int]:
-    """(params, flops/token) of one MLP."""
-    n = (3 if kind == "swiglu" else 2) * d * f
-    return n, 2 * n
 
 
 @dataclass
@@ -32,43 +35,39 @@ class BlockCount:
     flops_per_token: float
 
 
-def block_count(cfg: ModelConfig, i: int, seq_len: int) -> BlockCount:
-    d = cfg.d_model
-    moe, mod = cfg.moe, cfg.mod
-    is_moe = i in resolve_layers(moe.layers, cfg.n_layers)
-    is_mod = i in resolve_layers(mod.layers, cfg.n_layers)
+def layer_cost(cfg: ModelConfig, lp: LayerPlan, seq_len: int) -> Cost:
+    """Cost per token of the sequence of the block `build_block(cfg, lp)` builds. A unit's cost
+    function takes (query tokens, key/value tokens) per row: what a routing wrapper lets it see."""
+    mlp = MoEBase.cost(cfg) if lp.mlp == "moe" else MLP.cost(cfg.d_model, cfg.d_ff, cfg.mlp)
 
-    s_proc = capacity_k(mod.capacity, seq_len) if is_mod else seq_len
-    params = 4 * d * d + 2 * d  # attention projections + two norms
-    flops = 8 * d * d + 4 * s_proc * d
-    if is_moe:
-        n_out = moe.num_experts + moe.num_noop_experts
-        p_e, f_e = _mlp(d, moe.d_expert or cfg.d_ff, cfg.mlp)
-        params += d * n_out + moe.num_experts * p_e  # router has no bias
-        frac = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-        flops += 2 * d * n_out + moe.top_k * frac * f_e
-        kind = "integrated" if moe.num_noop_experts else "moe"
-    else:
-        p_m, f_m = _mlp(d, cfg.d_ff, cfg.mlp)
-        params += p_m
-        flops += f_m
-        kind = "dense"
-    if is_mod:
-        flops *= s_proc / seq_len
-        params += d + 1
-        flops += 2 * d
-        if mod.causal in ("predictor", "both"):
-            h = mod.predictor_hidden or d // 2
-            params += d * h + h + h + 1
-            flops += 2 * d * h + 2 * h
-        kind = "staged" if kind == "moe" else f"mod({kind})"
-    return BlockCount(kind, params, flops)
+    def routed(route: Route | None, s: int, unit) -> Cost:
+        if route is None:
+            return unit(s, s)
+        k = capacity_k(route.capacity, s)
+        return MoDBlock.cost(cfg.mod, cfg.d_model, route.capacity, s, unit(k, s if route.kv == "all" else k))
+
+    def attn(q: int, kv: int) -> Cost:
+        return AttnSublayer.cost(cfg, q, kv)
+
+    def mlp_sub(q: int, kv: int) -> Cost:
+        return MLPSublayer.cost(cfg, mlp)
+
+    def block(q: int, kv: int) -> Cost:
+        a = attn(q, kv) if lp.attn is None else routed(lp.attn, q, attn)
+        return a + routed(lp.mlp_route, q, mlp_sub)
+
+    return routed(lp.block, seq_len, block)
+
+
+def block_count(cfg: ModelConfig, lp: LayerPlan, seq_len: int) -> BlockCount:
+    c = layer_cost(cfg, lp, seq_len)
+    return BlockCount(lp.kind, c.params, c.flops)
 
 
 def model_count(cfg: ModelConfig, seq_len: int) -> dict:
     """{'params', 'forward_flops_per_token', 'blocks': [...], 'head_flops_per_token'}."""
-    d, V = cfg.d_model, cfg.vocab_size
-    blocks = [block_count(cfg, i, seq_len) for i in range(cfg.n_layers)]
+    d, V = cfg.d_model, cfg.vocab_size  # embedding (tied or not), final norm, head
+    blocks = [block_count(cfg, lp, seq_len) for lp in layer_plan(cfg)]
     params = V * d * (1 if cfg.tie_embeddings else 2) + d + sum(b.params for b in blocks)
     head = 2 * d * V
     return {

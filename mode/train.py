@@ -19,11 +19,12 @@ import yaml
 
 from mode import engine as eng  # sets DS_ACCELERATOR=cpu before deepspeed loads
 from mode import checkpoint as ckpt
-from mode.config import Config, ConfigError, dump_config, load_config, resolve_layers
+from mode.config import Config, ConfigError, dump_config, load_config
 from mode.data import DataModule, build_tokenizer
 from mode.flops import count as count_flops
 from mode.metrics import Accumulator, TBWriter
 from mode.model import build_model
+from mode.plan import has_depth_routing
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
@@ -75,10 +76,6 @@ def preflight(cfg: Config) -> dict | None:
     """Everything that can be checked before processes start."""
     check_vocab(cfg)
     return check_run_dir(cfg)
-
-
-def has_depth_routing(cfg: Config) -> bool:
-    return bool(resolve_layers(cfg.model.mod.layers, cfg.model.n_layers))
 
 
 class Trainer:
@@ -174,7 +171,7 @@ class Trainer:
         model = self.engine.module
         model.eval()
         acc = Accumulator()
-        routings = ("topk", "causal") if has_depth_routing(self.cfg) else ("topk",)
+        routings = ("topk", "causal") if has_depth_routing(model.plan) else ("topk",)
         for x, y in self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch_size):
             x, y = x.to(self.dev), y.to(self.dev)
             for r in routings:

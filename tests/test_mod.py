@@ -4,6 +4,7 @@ Shape legend: B batch, S sequence, K selected per row, D d_model, H heads, E hea
 """
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from mode.config import ModConfig, ModelConfig, load_config
 from mode.mod import MoDBlock
 from mode.model import build_model
 from mode.model.blocks import DenseBlock
+from mode.routed import Ctx
 from mode.routing.depth import DepthRouter, capacity_k, topk_sorted
 
 D, H, S = 32, 2, 16
@@ -46,6 +48,11 @@ def spread_causal(model, std=3.0):
             torch.nn.init.normal_(lin.weight, std=std / lin.weight.shape[1] ** 0.5)
 
 
+def step(blk, x, pos, routing="topk"):
+    """The residual stream after the wrapper (the block contract: it returns the update)."""
+    return x + blk(x, Ctx(pos, routing=routing))
+
+
 def inputs(B=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, S, D, generator=g), torch.arange(S).expand(B, S)
@@ -62,14 +69,12 @@ def test_capacity_one_gate_one_reproduces_wrapped_block_exactly():
     blk = mod_block(capacity=1.0)
     blk.gate = lambda r: torch.ones_like(r)
     x, pos = inputs()
-    assert torch.equal(blk(x, pos), x + blk.inner(x, pos))
+    assert torch.equal(step(blk, x, pos), x + blk.inner(x, Ctx(pos)))
     # Whole LM: every block routed at capacity 1 == the dense LM with the same weights.
     torch.manual_seed(0)
     dense = build_model(model_cfg("none"))
     routed = build_model(model_cfg("every", 1.0))
-    state = {k.replace("blocks.", "blocks.").replace(".attn", ".inner.attn").replace(".mlp", ".inner.mlp")
-             .replace(".norm_attn", ".inner.norm_attn").replace(".norm_mlp", ".inner.norm_mlp"): v
-             for k, v in dense.state_dict().items()}
+    state = {re.sub(r"^blocks\.(\d+)\.", r"blocks.\1.inner.", k): v for k, v in dense.state_dict().items()}
     missing, unexpected = routed.load_state_dict(state, strict=False)
     assert not unexpected and all(".router." in k for k in missing)
     for b in routed.blocks:
@@ -86,7 +91,7 @@ def test_topk_matches_bruteforce_and_unselected_are_bit_identical():
     x, pos = inputs()
     w = blk.router.router.weight.detach()[0]
     x[0] += 3 * w / w.dot(w)  # row 0's scores all +3: a top-k over the flattened batch favours it
-    out = blk(x, pos)
+    out = step(blk, x, pos)
     r = blk.router.scores(x)
     k = capacity_k(0.25, S)
     for b in range(x.shape[0]):  # brute force, row by row, in plain Python
@@ -105,7 +110,7 @@ def test_unselected_bit_identical_in_bf16_and_causal_routing():
     x, pos = inputs()
     x = x.bfloat16()
     for routing in ("topk", "causal"):
-        out = blk(x, pos, routing=routing)
+        out = step(blk, x, pos, routing)
         sel = blk.last_selected_BS
         assert 0 < int(sel.sum()) < sel.numel()
         assert torch.equal(out[~sel], x[~sel])
@@ -128,13 +133,13 @@ def _block_ref(blk, x_KD, pos_K):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + m.eps) * m.weight
 
     K = x_KD.shape[0]
-    q, k, v = (norm(inner.norm_attn, x_KD) @ inner.attn.qkv.weight.T).view(K, 3, H, D // H).unbind(1)
+    q, k, v = (norm(inner.attn.norm, x_KD) @ inner.attn.attn.qkv.weight.T).view(K, 3, H, D // H).unbind(1)
     q, k = _rope_ref(q, pos_K), _rope_ref(k, pos_K)
     att = torch.einsum("qhe,khe->hqk", q, k) / (D // H) ** 0.5
     att = att.masked_fill(~torch.ones(K, K, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-    a = torch.einsum("hqk,khe->qhe", att, v).reshape(K, D) @ inner.attn.out.weight.T
-    gate, up = (norm(inner.norm_mlp, x_KD + a) @ inner.mlp.w_in.weight.T).chunk(2, -1)
-    return a + (F.silu(gate) * up) @ inner.mlp.w_out.weight.T
+    a = torch.einsum("hqk,khe->qhe", att, v).reshape(K, D) @ inner.attn.attn.out.weight.T
+    gate, up = (norm(inner.mlp.norm, x_KD + a) @ inner.mlp.mlp.w_in.weight.T).chunk(2, -1)
+    return a + (F.silu(gate) * up) @ inner.mlp.mlp.w_out.weight.T
 
 
 def test_gathered_tokens_see_their_original_rotary_positions():
@@ -142,7 +147,7 @@ def test_gathered_tokens_see_their_original_rotary_positions():
     blk = mod_block(capacity=0.375, sharp=True)
     x, pos = inputs(B=2)
     with torch.no_grad():
-        out = blk(x, pos)
+        out = step(blk, x, pos)
         r = blk.router.scores(x)
     for b in range(2):
         idx = blk.last_selected_BS[b].nonzero().flatten()
@@ -159,14 +164,14 @@ def test_causal_ragged_path_matches_per_row_reference():
     torch.nn.init.normal_(blk.router.predictor[2].weight, std=3.0 / blk.router.predictor[2].weight.shape[1] ** 0.5)
     x, pos = inputs(B=4)
     with torch.no_grad():
-        out = blk(x, pos, routing="causal")
+        out = step(blk, x, pos, "causal")
         r = blk.router.scores(x)
     sel = blk.last_selected_BS
     assert len(set(sel.sum(1).tolist())) > 1, "rows should select different counts"
     for b in range(4):
         idx = sel[b].nonzero().flatten()
         want = x[b].clone()
-        want[idx] = x[b, idx] + r[b, idx, None] * blk.inner(x[b, idx][None], idx[None])[0]
+        want[idx] = x[b, idx] + r[b, idx, None] * blk.inner(x[b, idx][None], Ctx(idx[None]))[0]
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
 
 
@@ -181,14 +186,14 @@ def test_router_receives_gradient(gate):
     for b in model.blocks:
         if isinstance(b, MoDBlock):
             assert b.router.router.weight.grad.abs().sum() > 0
-            assert b.inner.attn.qkv.weight.grad.abs().sum() > 0
+            assert b.inner.attn.attn.qkv.weight.grad.abs().sum() > 0
 
 
 def test_sigmoid_gate_scales_the_update():
     blk = mod_block(capacity=1.0, gate="sigmoid")
     x, pos = inputs()
-    want = x + torch.sigmoid(blk.router.scores(x))[..., None] * blk.inner(x, pos)
-    torch.testing.assert_close(blk(x, pos), want, rtol=0, atol=0)
+    want = x + torch.sigmoid(blk.router.scores(x))[..., None] * blk.inner(x, Ctx(pos))
+    torch.testing.assert_close(step(blk, x, pos), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("routing", ["topk", "causal"])
@@ -200,8 +205,8 @@ def test_batch_rows_are_independent(routing):
     x2 = x.clone()
     x2[1] = torch.randn(S, D)
     with torch.no_grad():
-        out, out2 = blk(x, pos, routing=routing), blk(x2, pos, routing=routing)
-        alone = blk(x[:1], pos[:1], routing=routing)
+        out, out2 = step(blk, x, pos, routing), step(blk, x2, pos, routing)
+        alone = step(blk, x[:1], pos[:1], routing)
     for b in (0, 2):
         torch.testing.assert_close(out2[b], out[b], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(alone[0], out[0], rtol=1e-6, atol=1e-6)

@@ -6,6 +6,7 @@ from mode.config import load_config
 from mode.mod import MoDBlock
 from mode.model import build_model
 from mode.model.blocks import Block
+from mode.routed import Ctx
 from tests.util import ROOT
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64"]
@@ -18,7 +19,7 @@ def cfg_of(preset, *extra):
 def test_staged_is_mod_around_moe_block():
     model = build_model(cfg_of("mode_staged").model)
     routed = [b for b in model.blocks if isinstance(b, MoDBlock)]
-    assert routed and all(isinstance(b.inner, Block) and b.inner.mlp.tag.startswith("moe/") for b in routed)
+    assert routed and all(isinstance(b.inner, Block) and b.inner.mlp.mlp.tag.startswith("moe/") for b in routed)
 
 
 def test_staged_expert_capacity_is_computed_on_the_tokens_that_reached_it():
@@ -28,13 +29,13 @@ def test_staged_expert_capacity_is_computed_on_the_tokens_that_reached_it():
     B, S = 4, 32
     model(torch.randint(0, 256, (B, S)))
     blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
-    r = blk.inner.mlp.last_routing
+    r = blk.inner.mlp.mlp.last_routing
     k = round(0.25 * S)
     assert r.idx_TK.shape[0] == B * k  # only the depth-selected tokens reached the expert router
     # capacity from T = B * k tokens: ceil(cf * top_k * T / E) per expert
     E = cfg.model.moe.num_experts
     assert int(r.kept_E.max()) <= -(-1 * B * k // E)
-    assert blk.inner.mlp.last_engaged_BS.shape == (B, k)
+    assert blk.inner.mlp.mlp.last_engaged_BS.shape == (B, k)
 
 
 def test_integrated_with_no_noops_equals_the_moe_block():
@@ -54,13 +55,13 @@ def test_tokens_routed_only_to_noops_are_bit_identical_after_the_mlp_step():
     model = build_model(cfg.model)
     blk = model.blocks[1]
     with torch.no_grad():
-        blk.mlp.router.weight.normal_(std=1.0)  # sharp routing: some tokens pick two no-ops
+        blk.mlp.mlp.router.weight.normal_(std=1.0)  # sharp routing: some tokens pick two no-ops
     seen = {}
     blk.attn.register_forward_hook(lambda m, i, o: seen.update(h=i[0], a=o))
     x = torch.randn(2, 32, 32)
     pos = torch.arange(32).expand(2, 32)
-    delta = blk(x, pos)
-    only_noop = (blk.mlp.last_routing.idx_TK >= cfg.model.moe.num_experts).all(-1).view(2, 32)
+    delta = blk(x, Ctx(pos))
+    only_noop = (blk.mlp.mlp.last_routing.idx_TK >= cfg.model.moe.num_experts).all(-1).view(2, 32)
     assert only_noop.any() and (~only_noop).any()
     after_attn = x + seen["a"]
     out = x + delta

@@ -314,7 +314,7 @@ def test_lm_collects_moe_metrics():
     assert {f"moe/layer1/{n}" for n in names} <= set(out.metrics)
     assert float(out.aux_loss.detach()) > 0
     (out.loss + out.aux_loss).backward()
-    assert lm.blocks[1].mlp.router.weight.grad.abs().sum() > 0
+    assert lm.blocks[1].mlp.mlp.router.weight.grad.abs().sum() > 0
     assert lm.engaged_blocks().shape == (2, 2, 16)
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mode.routed import Cost
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6):
@@ -27,6 +29,10 @@ class RMSNorm(nn.Module):
         x = x_BSD.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x * self.weight.float()).to(x_BSD.dtype)
+
+    @staticmethod
+    def cost(d: int) -> Cost:
+        return Cost(d, 0)  # elementwise: not counted
 
 
 class Rotary(nn.Module):
@@ -89,14 +95,30 @@ class Attention(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.rotary = Rotary(self.head_dim, max_seq_len, rope_theta)
 
-    def forward(self, x_BSD, pos_BS, valid_BS=None, cache: KVCache | None = None):
+    def forward(self, x_BSD, pos_BS, valid_BS=None, cache: KVCache | None = None, kv_x_BTD=None, kv_pos_BT=None):
+        """Queries from x_BSD. Keys/values from the same tokens, or (K/V-from-all) from kv_x_BTD at
+        positions kv_pos_BT (T tokens): each query then sees every key at or before its position."""
         B, S, D = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = self.rotary(q, pos_BS), self.rotary(k, pos_BS)  # B H S E
+        H, E = self.n_heads, self.head_dim
+        if kv_x_BTD is None:
+            q, k, v = self.qkv(x_BSD).view(B, S, 3, H, E).permute(2, 0, 3, 1, 4)
+            kv_pos_BT = pos_BS
+        else:
+            # Selective query projection: only this unit's tokens pay for Q (and the output).
+            w_q, w_kv = self.qkv.weight.split([D, 2 * D])
+            q = F.linear(x_BSD, w_q).view(B, S, H, E).transpose(1, 2)
+            T = kv_x_BTD.shape[1]
+            k, v = F.linear(kv_x_BTD, w_kv).view(B, T, 2, H, E).permute(2, 0, 3, 1, 4)
+        q, k = self.rotary(q, pos_BS), self.rotary(k, kv_pos_BT)  # B H S E
         if cache is not None:
             assert S == 1, "cached decoding feeds one token per step"
             keymask_BL = cache.append(k, v)
             y = F.scaled_dot_product_attention(q, cache.k_BHLE, cache.v_BHLE, attn_mask=keymask_BL[:, None, None])
+        elif kv_x_BTD is not None:
+            # Causal by position; key 0 precedes every query, so no row is all-masked (queries that
+            # are padding are discarded by the routing wrapper).
+            mask_BST = kv_pos_BT[:, None, :] <= pos_BS[:, :, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BST[:, None])
         elif valid_BS is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -106,6 +128,14 @@ class Attention(nn.Module):
             mask_BSS = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x_BSD.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BSS[:, None])
         return self.out(y.transpose(1, 2).reshape(B, S, D))
+
+    @staticmethod
+    def cost(d: int, s: int, s_kv: int | None = None) -> Cost:
+        """Per query token, when each row has s query tokens (and s_kv key/value tokens, default s):
+        Q and output projections, K/V projections of the s_kv tokens shared by the s queries,
+        and the full s x s_kv score and value products (what SDPA without block skipping does)."""
+        s_kv = s if s_kv is None else s_kv
+        return Cost(4 * d * d, 4 * d * d + 4 * d * d * s_kv / s + 4 * s_kv * d)
 
 
 class MLP(nn.Module):
@@ -123,6 +153,11 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h)
         return self.w_out(h)
+
+    @staticmethod
+    def cost(d: int, f: int, kind: str) -> Cost:
+        n = (3 if kind == "swiglu" else 2) * d * f
+        return Cost(n, 2 * n)
 
 
 def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None = None) -> None:

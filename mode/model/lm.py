@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mode.config import ModelConfig, resolve_layers
-from mode.model.blocks import Block, DenseBlock, MoEBlock, Routed
+from mode.config import ModelConfig
+from mode.mod import MoDBlock
+from mode.model.blocks import AttnSublayer, Block, dense_mlp, moe_mlp
 from mode.model.layers import KVCache, RMSNorm, init_weights
+from mode.plan import LayerPlan, layer_plan
+from mode.routed import Ctx, Routed
 
 
 @dataclass
@@ -27,13 +30,15 @@ class LMOutput:
     """Mean next-token cross-entropy when targets were given (aux_loss not included)."""
 
 
-def build_block(cfg: ModelConfig, i: int) -> nn.Module:
-    from mode.mod import MoDBlock
+def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
+    """The module a layer plan names: sublayers, the block, then the routing wrappers around them.
+    `mode/flops.py` walks the same plan to count it."""
+    def routed(unit: nn.Module, route):
+        return unit if route is None else MoDBlock(unit, cfg.mod, cfg.d_model, lp.index, route)
 
-    block = MoEBlock(cfg, i) if i in resolve_layers(cfg.moe.layers, cfg.n_layers) else DenseBlock(cfg)
-    if i in resolve_layers(cfg.mod.layers, cfg.n_layers):
-        block = MoDBlock(block, cfg.mod, cfg.d_model, i)
-    return block
+    mlp = moe_mlp(cfg, lp.index) if lp.mlp == "moe" else dense_mlp(cfg)
+    block = Block(routed(AttnSublayer(cfg), lp.attn), routed(mlp, lp.mlp_route))
+    return routed(block, lp.block)
 
 
 class LM(nn.Module):
@@ -41,7 +46,8 @@ class LM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(build_block(cfg, i) for i in range(cfg.n_layers))
+        self.plan = layer_plan(cfg)
+        self.blocks = nn.ModuleList(build_block(cfg, lp) for lp in self.plan)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_weights(self, cfg.init_std, cfg.n_layers)
@@ -56,10 +62,8 @@ class LM(nn.Module):
             pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         x_BSD = self.embed(input_ids_BS)
         for i, block in enumerate(self.blocks):
-            cache = caches[i] if caches is not None else None
-            out_BSD = block(x_BSD, pos_BS, None, cache, routing)
-            # A plain Block returns its residual update; a routing wrapper returns the new stream.
-            x_BSD = x_BSD + out_BSD if isinstance(block, Block) else out_BSD
+            ctx = Ctx(pos_BS, None, caches[i] if caches is not None else None, routing)
+            x_BSD = x_BSD + block(x_BSD, ctx)  # every block returns its residual update
         logits_BSV = self.head(self.norm(x_BSD))
         aux = logits_BSV.new_zeros((), dtype=torch.float32)
         metrics = {}
@@ -81,24 +85,14 @@ class LM(nn.Module):
 
     def engaged_blocks(self) -> torch.Tensor | None:
         """[L, B, S] 1 where the last forward gave the token the block's full computation, for
-        routing analysis: skipping by depth routing, a no-op expert, or a dropped expert route
-        all count as not engaged."""
-        rows = []
-        for block in self.blocks:
-            sel = getattr(block, "last_selected_BS", None)
-            mlp = block.inner.mlp if hasattr(block, "inner") else block.mlp
-            mlp_on = getattr(mlp, "last_engaged_BS", None)
-            rows.append((sel, mlp_on))
-        shape = next((s.shape for pair in rows for s in pair if s is not None), None)
+        routing analysis: skipping by depth routing (block or either sublayer), a no-op expert, or
+        a dropped expert route all count as not engaged. None when every block engaged every token."""
+        masks = [b.last_engaged_BS for b in self.blocks]
+        shape = next((m.shape for m in masks if m is not None), None)
         if shape is None:
             return None
-        out = []
-        for sel, mlp_on in rows:
-            e = torch.ones(shape, dtype=torch.bool, device=self.embed.weight.device) if sel is None else sel.bool()
-            if mlp_on is not None and mlp_on.shape == shape:
-                e = e & mlp_on.bool()
-            out.append(e)
-        return torch.stack(out)
+        ones = torch.ones(shape, dtype=torch.bool, device=self.embed.weight.device)
+        return torch.stack([ones if m is None else m.bool() for m in masks])
 
 
 def build_model(cfg: ModelConfig) -> LM:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.model.blocks import Routed
 from mode.model.layers import MLP
+from mode.moe.base import MoEBase
 from mode.routing.experts import ExpertRouter, route_metrics
 
 
@@ -65,13 +65,13 @@ class RouterGate(nn.Module):
         return r.aux_loss, C, self.router.E, idx_KT, loc_KT, r.w_TK.t(), r.counts_E
 
 
-class DeepSpeedMoE(nn.Module, Routed):
+class DeepSpeedMoE(MoEBase):
     def __init__(self, cfg: ModelConfig, layer_idx: int, stock_gate: bool = False):
-        super().__init__()
+        super().__init__(cfg, layer_idx)
         from deepspeed.moe.layer import MoE  # lazy: the core runs without DeepSpeed
 
         m = cfg.moe
-        self.E, self.K, self.stock_gate = m.num_experts, m.top_k, stock_gate
+        self.stock_gate = stock_gate
         cf = m.capacity_factor
         ecf = m.eval_capacity_factor if m.eval_capacity_factor is not None else cf
         self.moe = MoE(hidden_size=cfg.d_model, expert=MLP(cfg.d_model, m.d_expert or cfg.d_ff, cfg.mlp),
@@ -95,9 +95,6 @@ class DeepSpeedMoE(nn.Module, Routed):
                 j, rest = name.split("deepspeed_experts.")[1].split(".", 1)
                 p.init_key = f"layer{layer_idx}.expert{ep_rank * n_local + int(j)}.{rest}"
         self.lb_weight = m.lb_loss_weight
-        self.tag = f"moe/layer{layer_idx}"
-        self.aux_loss, self.metrics = None, {}
-        self.last_engaged_BS: torch.Tensor | None = None
 
     def _capture_stock(self, gate, inputs, out):
         self._stock = out  # (l_aux, C, E, indices[K,T], locations, gates, exp_counts)
@@ -116,20 +113,21 @@ class DeepSpeedMoE(nn.Module, Routed):
         self._ensure_groups()
         used = None if valid_BS is None else valid_BS.reshape(-1).to(x_BSD.dtype)
         y_BSD, l_aux, counts_E = self.moe(x_BSD, used)
+        r = None
         if not self.stock_gate:
             r = self.moe.deepspeed_moe.gate.last
-            self.aux_loss, self.metrics, engaged_T = r.aux_loss, r.metrics, r.engaged_T
+            aux, metrics, engaged_T = r.aux_loss, r.metrics, r.engaged_T
         else:  # derive drops from the stock gate's capacity and counts
             _, C, _, idx_KT, _, _, _ = self._stock
             keep_TK = idx_KT.t() >= 0
             real_TK = torch.ones_like(keep_TK)
-            self.aux_loss = self.lb_weight * l_aux
-            self.metrics = route_metrics(keep_TK, real_TK, None, counts_E, counts_E.clamp(max=int(C)),
-                                         B * S, l_aux)
+            aux = self.lb_weight * l_aux
+            metrics = route_metrics(keep_TK, real_TK, None, counts_E, counts_E.clamp(max=int(C)),
+                                    B * S, l_aux)
             engaged_T = keep_TK.any(-1)
         if valid_BS is not None and self.stock_gate:
             y_BSD = y_BSD * valid_BS[..., None].to(y_BSD.dtype)  # the stock top-2 gate routes padding too
-        self.last_engaged_BS = engaged_T.view(B, S)
+        self.record(aux, metrics, engaged_T.view(B, S), r)
         return y_BSD
 
 

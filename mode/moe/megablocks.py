@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ConfigError, ModelConfig
-from mode.model.blocks import Routed
+from mode.moe.base import MoEBase
 from mode.moe.native import NativeMoE, combine
 from mode.routing.experts import ExpertRouter
 
@@ -46,15 +46,14 @@ def require_megablocks() -> None:
         raise ConfigError("model.moe.backend", "megablocks", f"megablocks is not importable ({why}); {INSTALL}")
 
 
-class MegaBlocksMoE(nn.Module, Routed):
+class MegaBlocksMoE(MoEBase):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
+        super().__init__(cfg, layer_idx)
         require_megablocks()
         from megablocks.layers.arguments import Arguments
         from megablocks.layers.dmoe import ParallelDroplessMLP
 
         m = cfg.moe
-        self.E, self.K = m.num_experts, m.top_k
         self.router = ExpertRouter(cfg.d_model, m)
         init = partial(nn.init.normal_, mean=0.0, std=cfg.init_std)
         args = Arguments(
@@ -69,14 +68,9 @@ class MegaBlocksMoE(nn.Module, Routed):
             output_layer_init_method=partial(nn.init.normal_, mean=0.0,
                                              std=cfg.init_std / math.sqrt(2 * cfg.n_layers)))
         self.experts = ParallelDroplessMLP(args)
-        self.tag = f"moe/layer{layer_idx}"
-        self.aux_loss, self.metrics = None, {}
-        self.last_engaged_BS: torch.Tensor | None = None
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
-        B, S, D = x_BSD.shape
-        x_TD = x_BSD.reshape(-1, D)
-        r = self.router(x_TD, None if valid_BS is None else valid_BS.reshape(-1))
+    def compute(self, x_TD: torch.Tensor, r) -> torch.Tensor:
+        D = x_TD.shape[1]
         keep_R = r.keep_TK.reshape(-1)  # route r = t*K + j
         # Host sync: the number of kept routes sizes the buffers (MegaBlocks syncs on group sizes anyway).
         route_M = keep_R.nonzero().squeeze(1)
@@ -90,10 +84,7 @@ class MegaBlocksMoE(nn.Module, Routed):
             out_MD = x_MD.to(x_TD.dtype)
         out_MD = torch.cat([out_MD, out_MD.new_zeros(1, D)])
         slot_TK = torch.where(r.keep_TK, (keep_R.cumsum(0) - 1).view_as(r.keep_TK), M)
-        y_TD = combine(out_MD, slot_TK, r.w_TK)
-        self.aux_loss, self.metrics = r.aux_loss, r.metrics
-        self.last_engaged_BS = r.engaged_T.view(B, S)
-        return y_TD.view(B, S, D)
+        return combine(out_MD, slot_TK, r.w_TK)
 
 
 @torch.no_grad()

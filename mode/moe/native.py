@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.model.blocks import Routed
+from mode.moe.base import MoEBase
 from mode.routing.experts import ExpertRouter, Routing
 
 
@@ -57,35 +57,21 @@ def combine(out_MD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> 
     return (routed_TKD * w_TK[..., None]).sum(1).to(out_MD.dtype)
 
 
-class NativeMoE(nn.Module, Routed):
+class NativeMoE(MoEBase):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
+        super().__init__(cfg, layer_idx)
         moe = cfg.moe
-        self.E, self.K, self.kind = moe.num_experts, moe.top_k, cfg.mlp
         d_ff = moe.d_expert or cfg.d_ff
         self.router = ExpertRouter(cfg.d_model, moe)
         self.w_in = nn.Parameter(torch.empty(self.E, cfg.d_model, (2 if cfg.mlp == "swiglu" else 1) * d_ff))
         self.w_out = nn.Parameter(torch.empty(self.E, d_ff, cfg.d_model))
         for w in (self.w_in, self.w_out):  # the LM re-initialises (w_out scaled by depth)
             nn.init.normal_(w, std=cfg.init_std)
-        self.tag = f"moe/layer{layer_idx}"
-        self.aux_loss, self.metrics = None, {}
-        self.last_engaged_BS: torch.Tensor | None = None
-        self.last_routing: Routing | None = None
         # Padded groups of C rows per expert when dropping (static shapes, no host sync) or exact
         # groups of the kept routes; None = padded on accelerators, exact on CPU.
         self.padded_groups: bool | None = None
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
-        B, S, D = x_BSD.shape
-        x_TD = x_BSD.reshape(-1, D)
-        r = self.router(x_TD, None if valid_BS is None else valid_BS.reshape(-1))
-        y_TD = self.experts(x_TD, r)
-        self.aux_loss, self.metrics = r.aux_loss, r.metrics
-        self.last_engaged_BS, self.last_routing = r.engaged_T.view(B, S), r
-        return y_TD.view(B, S, D)
-
-    def experts(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
+    def compute(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
         """Dispatch, compute, combine for the routing decisions `r`."""
         T, E, dev = x_TD.shape[0], self.E, x_TD.device
         padded = self.padded_groups if self.padded_groups is not None else dev.type != "cpu"

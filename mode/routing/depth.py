@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModConfig
+from mode.routed import Cost
 
 
 def capacity_k(capacity: float, seq_len: int) -> int:
@@ -71,3 +72,12 @@ class DepthRouter(nn.Module):
         m["causal_processed_frac"] = (decide_BS > 0).float().mean()
         m["aux_loss"] = aux.detach()
         return aux, m
+
+    @staticmethod
+    def cost(d_model: int, cfg: ModConfig) -> Cost:
+        """Per token: the router r = w^T x + b, and the predictor MLP when there is one."""
+        c = Cost(d_model + 1, 2 * d_model)
+        if cfg.causal in ("predictor", "both"):
+            h = cfg.predictor_hidden or d_model // 2
+            c = c + Cost(d_model * h + h + h + 1, 2 * d_model * h + 2 * h)
+        return c

@@ -1,0 +1,55 @@
+"""What every MoE backend shares: mode's router decides, the backend executes the decisions.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D d_model.
+
+A backend subclasses MoEBase and implements `compute(x_TD, r) -> y_TD` (dispatch, expert
+compute, combine for the Routing `r`); `forward` routes, computes and records what the block
+contract and the Routed protocol (`mode/routed.py`) ask for: `aux_loss`, `metrics`,
+`last_engaged_BS` (tokens with at least one kept real-expert route) and `last_routing`.
+A backend that routes inside its own layer (DeepSpeed) overrides `forward` and calls `record`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mode.config import ModelConfig
+from mode.model.layers import MLP
+from mode.routed import Cost
+from mode.routing.experts import Routing
+
+
+class MoEBase(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        m = cfg.moe
+        self.E, self.K, self.kind = m.num_experts, m.top_k, cfg.mlp
+        self.tag = f"moe/layer{layer_idx}"
+        self.aux_loss, self.metrics = None, {}
+        self.last_engaged_BS: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        r = self.router(x_TD, None if valid_BS is None else valid_BS.reshape(-1))
+        y_TD = self.compute(x_TD, r)
+        self.record(r.aux_loss, r.metrics, r.engaged_T.view(B, S), r)
+        return y_TD.view(B, S, D)
+
+    def compute(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
+        raise NotImplementedError
+
+    def record(self, aux_loss, metrics: dict, engaged_BS: torch.Tensor, routing: Routing | None = None) -> None:
+        self.aux_loss, self.metrics, self.last_engaged_BS, self.last_routing = aux_loss, metrics, engaged_BS, routing
+
+    @staticmethod
+    def cost(cfg: ModelConfig) -> Cost:
+        """Per token: the router over E + N outputs (no bias) and the experts counted at capacity,
+        top_k * min(1, capacity_factor) routes (dropless: top_k). This is what capacity-padded
+        implementations compute and what bounds the native backend; no-op experts cost nothing."""
+        m, d = cfg.moe, cfg.d_model
+        n_out = m.num_experts + m.num_noop_experts
+        e = MLP.cost(d, m.d_expert or cfg.d_ff, cfg.mlp)
+        frac = 1.0 if m.capacity_factor is None else min(1.0, m.capacity_factor)
+        return Cost(d * n_out + m.num_experts * e.params, 2 * d * n_out + m.top_k * frac * e.flops)

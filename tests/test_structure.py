@@ -1,0 +1,113 @@
+"""The code's structure: one layer plan, the block contract, and an acyclic import graph."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from mode.config import ModConfig, ModelConfig, MoEConfig
+from mode.model import build_model
+from mode.plan import has_depth_routing, has_moe, layer_plan
+from mode.routed import Ctx, Routed
+from tests.util import ROOT
+
+PACKAGES = ("mode", "analysis")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, at top level OR inside functions (a lazy import
+    that closes a cycle is still a cycle: it only moves the failure to run time)."""
+    mods = modules()
+    graph = {}
+    for name, f in mods.items():
+        pkg = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in mods and t != name}
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph):
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_no_import_cycles_in_mode_or_analysis():
+    graph = import_graph()
+    assert {"mode.model.lm", "mode.moe.native", "analysis.report", "analysis.isoflop"} <= set(graph)
+    assert "mode.model.blocks" in graph["mode.model.lm"]  # the walker sees edges at all
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    # and the checker finds one when there is one
+    assert find_cycle({**graph, "mode.routed": graph["mode.routed"] | {"mode.model.lm"}, "mode.model.lm": {"mode.routed"}})
+
+
+def test_routed_protocol_module_imports_nothing_of_the_model():
+    assert import_graph()["mode.routed"] == set()
+
+
+def test_plan_is_the_one_source():
+    cfg = ModelConfig(n_layers=4, mod=ModConfig(layers=[1, 2], capacity=[0.5, 0.25], kv="all"),
+                      moe=MoEConfig(layers="every_other", num_noop_experts=2))
+    cfg.validate()
+    plan = layer_plan(cfg)
+    assert [lp.kind for lp in plan] == ["dense", "mod(integrated)+kv_all", "mod(dense)+kv_all", "integrated"]
+    assert [lp.block.capacity if lp.block else None for lp in plan] == [None, 0.5, 0.25, None]
+    assert has_depth_routing(plan) and has_moe(plan)
+    assert not has_depth_routing(layer_plan(ModelConfig())) and not has_moe(layer_plan(ModelConfig()))
+    model = build_model(cfg)
+    assert model.plan == plan
+    tags = sorted(m.tag for m in model.modules() if isinstance(m, Routed))
+    assert tags == ["mod/layer1", "mod/layer2", "moe/layer1", "moe/layer3"]
+
+
+@pytest.mark.parametrize("mod", [dict(layers="none"), dict(layers="every", capacity=0.5),
+                                 dict(layers="every", decoupled=True, attn_capacity=0.5, mlp_capacity=0.25)])
+def test_every_block_returns_its_update_and_reports_engaged_tokens(mod):
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=2, mod=ModConfig(**mod))
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = torch.randn(2, 8, 16)
+    for block in model.blocks:
+        delta = block(x, Ctx(torch.arange(8).expand(2, 8)))
+        assert delta.shape == x.shape
+        eng = block.last_engaged_BS
+        if eng is None:
+            assert mod["layers"] == "none" and (delta != 0).any(-1).all()
+        else:  # tokens not engaged get exactly zero (x + 0 == x bit for bit)
+            assert eng.dtype == torch.bool and eng.shape == (2, 8) and 0 < int(eng.sum()) < 16
+            assert (delta[~eng] == 0).all() if not mod.get("decoupled") else True
