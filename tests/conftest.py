@@ -2,7 +2,15 @@
 `slow` marker (tests that start processes or train; `make test-fast` leaves them out)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+# DeepSpeed JIT-compiles its CPU comm op on first use. In the shared ~/.cache/torch_extensions every
+# virtualenv (another checkout, another path) rebuilds it and all wait on one lock; keep this
+# venv's build next to it, so that it is compiled once and then only loaded.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "torch_extensions"))
 
 
 def pytest_configure(config):

@@ -50,3 +50,23 @@ def test_unmatched_grid_is_refused(tmp_path):
         r.cfg = load_config(r.config, r.overrides)
     with pytest.raises(ConfigError, match="match_flops: forward FLOPs/token differ"):
         check_matched_flops(exp, runs)
+
+
+def test_mod_variants_grid_is_flop_matched_and_each_variant_is_its_routing():
+    from mode.flops import count
+    from mode.plan import layer_plan
+
+    exp = load_experiment(ROOT / "configs/experiments/mod_variants.yaml")
+    runs = expand(exp)
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides, world_size=world_size(exp))
+    flops = check_matched_flops(exp, runs)
+    assert set(flops) == {"dense", "mod", "decoupled", "kv_all", "schedule"}
+    for r in runs:  # independently of check_matched_flops, from the analytic count
+        assert abs(count(r.cfg)["forward_flops_per_token"] / flops["dense"] - 1) <= 0.02, r.variant
+    kinds = {r.variant: [lp.kind for lp in layer_plan(r.cfg.model)] for r in runs}
+    assert kinds["mod"][1::2] == ["mod(dense)"] * 3 and kinds["kv_all"][1::2] == ["mod(dense)+kv_all"] * 3
+    assert kinds["decoupled"][1::2] == ["mod_split(dense)"] * 3
+    sched = next(r for r in runs if r.variant == "schedule")
+    assert [lp.block.capacity for lp in layer_plan(sched.cfg.model) if lp.block] == [0.5, 0.33, 0.165]
+    assert {r.seed for r in runs} == {0, 1, 2}
