@@ -11,11 +11,8 @@ import socket
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before deepspeed is imported: it picks its accelerator at import time.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from mode.config import Config  # noqa: E402
+from mode.config import Config
+from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
 
 
 def free_port() -> int:
@@ -26,6 +23,7 @@ def free_port() -> int:
 
 def init_distributed() -> tuple[int, int]:
     """Join the process group started by `deepspeed`/`torchrun`, or form a world of one."""
+    use_cpu_accelerator_without_cuda()
     import deepspeed
     import torch.distributed as dist
 
@@ -137,6 +135,7 @@ def uses_deepspeed_moe(cfg: Config) -> bool:
 
 def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):
     """DeepSpeed engine around the model with AdamW and warmup + cosine (both checkpointed)."""
+    use_cpu_accelerator_without_cuda()
     import deepspeed
 
     groups = param_groups(model, cfg.optim.weight_decay)

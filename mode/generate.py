@@ -147,12 +147,3 @@ def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperat
     model, tok, _ = load_run(run_dir, device)
     return [p + s for p, s in zip(prompts, generate(model, tok, prompts, max_new_tokens, temperature, seed=seed))]
 
-
-def main_generate(args) -> int:
-    """argparse glue: args.run, args.prompt (str or list), args.max_new_tokens, args.temperature, args.seed."""
-    prompts = args.prompt if isinstance(args.prompt, list) else [args.prompt]
-    opt = lambda name, default: default if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
-    outs = cli_generate(args.run, prompts, opt("max_new_tokens", 200), opt("temperature", 1.0), opt("seed", 0))
-    for i, text in enumerate(outs):
-        print(text if len(outs) == 1 else f"--- [{i}]\n{text}")
-    return 0

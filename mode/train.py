@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mode import engine as eng  # sets DS_ACCELERATOR=cpu before deepspeed loads
+from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode.config import Config, ConfigError, dump_config, load_config
 from mode.data import DataModule, build_tokenizer

@@ -202,6 +202,9 @@ def test_noop_routes_get_exactly_zero_update():
 
 
 def test_capacity_matches_deepspeed_exactly():
+    from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
+
+    use_cpu_accelerator_without_cuda()
     from deepspeed.moe.sharded_moe import _capacity
 
     for T in (1, 7, 100, 333, 4096):
@@ -221,7 +224,9 @@ def test_capacity_matches_deepspeed_exactly():
 def ds_world():
     import torch.distributed as dist
 
-    import mode.engine  # noqa: F401 - sets DS_ACCELERATOR=cpu before deepspeed is imported
+    from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
+
+    use_cpu_accelerator_without_cuda()
     import deepspeed
 
     if not dist.is_initialized():

@@ -70,3 +70,42 @@ def test_accumulator_averages_each_key_over_its_own_count():
     acc.add({"a": torch.tensor(1.0), "b": torch.tensor(10.0)})
     acc.add({"a": torch.tensor(3.0)})
     assert acc.read() == {"a": 2.0, "b": 10.0}
+
+
+def test_accumulator_takes_the_maximum_of_maxima():
+    # Bug caught: load_max (the busiest expert) averaged over steps and ranks, under-reporting overload.
+    import torch
+
+    from mode.metrics import Accumulator
+
+    acc = Accumulator()
+    acc.add({"moe/layer1/load_max": torch.tensor(1.5), "moe/layer1/load_mean": torch.tensor(1.0)})
+    acc.add({"moe/layer1/load_max": torch.tensor(3.0), "moe/layer1/load_mean": torch.tensor(2.0)})
+    assert acc.read() == {"moe/layer1/load_max": 3.0, "moe/layer1/load_mean": 1.5}
+
+
+def _two_rank_accumulator(rank, port, out):
+    import torch
+    import torch.distributed as dist
+
+    from mode.metrics import Accumulator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    acc = Accumulator()
+    acc.add({"load_max": torch.tensor([2.0, 5.0][rank]), "loss": torch.tensor([1.0, 3.0][rank])})
+    vals = acc.read()
+    if rank == 0:
+        out.put(vals)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_accumulator_reduces_maxima_with_max_across_ranks():
+    import torch.multiprocessing as mp
+
+    from tests.util import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_two_rank_accumulator, args=(free_port(), q), nprocs=2, start_method="spawn")
+    assert q.get(timeout=60) == {"load_max": 5.0, "loss": 2.0}

@@ -24,6 +24,8 @@ Optimizer: pass param groups through `moe_param_groups` so expert parameters (ta
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -31,6 +33,14 @@ from mode.config import ModelConfig
 from mode.model.layers import MLP
 from mode.moe.base import MoEBase
 from mode.routing.experts import ExpertRouter, route_metrics
+
+
+def use_cpu_accelerator_without_cuda() -> None:
+    """DeepSpeed picks its accelerator when it is first imported: on a machine without CUDA it must
+    be told `cpu` first. Called before each `import deepspeed` here and in mode/engine.py (never at
+    import time: importing mode changes no environment)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 class RouterGate(nn.Module):
@@ -68,6 +78,7 @@ class RouterGate(nn.Module):
 class DeepSpeedMoE(MoEBase):
     def __init__(self, cfg: ModelConfig, layer_idx: int, stock_gate: bool = False):
         super().__init__(cfg, layer_idx)
+        use_cpu_accelerator_without_cuda()
         from deepspeed.moe.layer import MoE  # lazy: the core runs without DeepSpeed
 
         m = cfg.moe
@@ -134,6 +145,7 @@ class DeepSpeedMoE(MoEBase):
 def moe_param_groups(param_groups: list[dict]) -> list[dict]:
     """Split DeepSpeed expert parameters into their own optimizer groups (one per expert-parallel
     group name), as DeepSpeed's ZeRO needs for MoE. Groups without a `name` get one."""
+    use_cpu_accelerator_without_cuda()
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     named = [dict(g, name=g.get("name", f"group{i}")) for i, g in enumerate(param_groups)]
