@@ -48,11 +48,18 @@ def layer_mean_of_last(run: Run, prefix: str, name: str) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+DEPTH_PREFIXES = ("mod", "mod_attn", "mod_mlp")  # whole-block routers, decoupled attention / MLP routers
+
+
 def causal_routing_acc(run: Run) -> float | None:
     """How often the causal rule agrees with top-k membership: the predictor's accuracy, or,
-    for routers trained with the aux loss only (no predictor), the router's own sign rule."""
-    acc = layer_mean_of_last(run, "mod", "predictor_acc")
-    return acc if acc is not None else layer_mean_of_last(run, "mod", "router_causal_acc")
+    for routers trained with the aux loss only (no predictor), the router's own sign rule;
+    the mean over every depth router (whole-block or decoupled)."""
+    for name in ("predictor_acc", "router_causal_acc"):
+        accs = [a for a in (layer_mean_of_last(run, p, name) for p in DEPTH_PREFIXES) if a is not None]
+        if accs:
+            return float(np.mean(accs))
+    return None
 
 
 def causal_gap(run: Run) -> float | None:
