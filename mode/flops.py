@@ -97,14 +97,15 @@ def flop_counter():
 
 
 def format_table(c: dict) -> str:
-    kinds: dict[str, list] = {}
+    # One row per distinct block (a per-layer capacity schedule gives each routed layer its own).
+    kinds: dict[tuple, list] = {}
     for b in c["blocks"]:
-        kinds.setdefault(b["kind"], []).append(b)
-    lines = [f"{'block kind':<16}{'layers':<14}{'params/block':>14}{'GFLOPs/token/block':>20}"]
-    for k, bs in kinds.items():
+        kinds.setdefault((b["kind"], b["params"], b["flops_per_token"]), []).append(b)
+    lines = [f"{'block kind':<22}{'layers':<14}{'params/block':>14}{'GFLOPs/token/block':>20}"]
+    for (k, params, flops), bs in kinds.items():
         layers = ",".join(str(b["layer"]) for b in bs)
-        lines.append(f"{k:<16}{layers:<14}{bs[0]['params']:>14,}{bs[0]['flops_per_token'] / 1e9:>20.6f}")
-    lines.append(f"{'head':<16}{'':<14}{'':>14}{c['head_flops_per_token'] / 1e9:>20.6f}")
+        lines.append(f"{k:<22}{layers:<14}{params:>14,}{flops / 1e9:>20.6f}")
+    lines.append(f"{'head':<22}{'':<14}{'':>14}{c['head_flops_per_token'] / 1e9:>20.6f}")
     lines.append(f"model: {c['params']:,} params, {c['forward_flops_per_token'] / 1e9:.6f} GFLOPs forward per token "
                  f"(seq_len {c['seq_len']})")
     return "\n".join(lines)

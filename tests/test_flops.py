@@ -58,3 +58,14 @@ def test_cli_json():
     assert c["params"] > 0 and c["forward_flops_per_token"] > 0
     table = mode_cli("flops", "--config", "configs/tiny/dense.yaml").stdout
     assert "dense" in table and "GFLOPs" in table
+
+
+def test_table_shows_each_layer_of_a_capacity_schedule():
+    from mode.flops import format_table
+
+    cfg = load_config(ROOT / "configs/tiny/mod.yaml", ["model.n_layers=6", "model.mod.capacity=[0.5, 0.33, 0.165]"])
+    c = count(cfg)
+    rows = {line.split()[1]: line for line in format_table(c).splitlines() if line.startswith("mod(dense)")}
+    assert set(rows) == {"1", "3", "5"}  # one row per distinct routed layer, not the first one for all
+    for b in c["blocks"][1::2]:
+        assert f"{b['flops_per_token'] / 1e9:.6f}" in rows[str(b["layer"])]
