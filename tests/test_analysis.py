@@ -340,3 +340,22 @@ def test_isoflop_budget_from_experiment_yaml(tmp_path):
     # fewer than three sizes: the best observed one
     n, loss, method, _ = isoflop.fit_optimum(np.array([1e5, 1e6]), np.array([2.5, 2.1]))
     assert (n, loss, method) == (1e6, 2.1, "observed")
+
+
+def test_processed_fraction_from_logs_reads_the_layer_plan():
+    # Bug caught: capacity re-read as one number (a per-layer schedule, decoupled MLP capacities),
+    # or layers guessed from tag names.
+    def run_of(mod: dict, moe: dict | None = None, scalars: dict | None = None) -> tb.Run:
+        model = {"n_layers": 4, "mod": mod, **({"moe": moe} if moe else {})}
+        return tb.Run(Path("/nonexistent/r"), "v", 0, config={"model": model},
+                      scalars={k: [tb.Point(10, v, 0.0)] for k, v in (scalars or {}).items()})
+
+    sched = report.processed_frac_from_logs(run_of({"layers": "every_other", "capacity": [0.5, 0.25]}))
+    assert sched.tolist() == [1.0, 0.5, 1.0, 0.25]
+    dec = report.processed_frac_from_logs(run_of({"layers": [2], "decoupled": True, "attn_capacity": 0.8,
+                                                  "mlp_capacity": 0.5}))
+    assert dec.tolist() == [1.0, 1.0, 0.5, 1.0]  # the fraction whose MLP update is computed
+    integ = report.processed_frac_from_logs(run_of({"layers": "none"}, {"layers": [1], "num_noop_experts": 2},
+                                                   {"moe/layer1/noop_frac": 0.25}))
+    assert integ.tolist() == [1.0, 0.75, 1.0, 1.0]
+    assert report.processed_frac_from_logs(tb.Run(Path("/x"), "v", 0)) is None  # no config: no guess
