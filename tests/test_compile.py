@@ -191,3 +191,37 @@ def test_known_syncs_are_seen(what):
         else:
             lm_step(model)
     assert {"tolist", "_local_scalar_dense", "__int__"} & set(hs.seen), hs.seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "mod", "moe_dropping", "mode_staged"])
+def test_cuda_training_step_never_syncs(kind):
+    """On a GPU, CUDA's own sync detector raises on any synchronising call in forward + backward
+    (padded expert groups are the default there)."""
+    c = {"dense": cfg(), "mod": cfg(mod="every_other"), "moe_dropping": cfg(moe="every_other"),
+         "mode_staged": cfg(mod="every_other", moe="every_other")}[kind]
+    torch.manual_seed(0)
+    model = build_model(c).cuda().train()
+    ids_BS = torch.randint(0, V, (B, S + 1), device="cuda")
+    model(ids_BS[:, :-1], ids_BS[:, 1:])  # first call: lazy init (cuBLAS handles) may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model(ids_BS[:, :-1], ids_BS[:, 1:])
+        (out.loss + out.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss).item()
+
+
+@pytest.mark.gpu
+def test_cuda_sync_detector_sees_dropless():
+    torch.manual_seed(0)
+    model = build_model(cfg(moe="every_other", cf=None)).cuda().train()
+    ids_BS = torch.randint(0, V, (B, S + 1), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model(ids_BS[:, :-1], ids_BS[:, 1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
