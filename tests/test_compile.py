@@ -135,6 +135,7 @@ def test_block_compiles_without_graph_breaks_and_matches_eager(kind):
         torch.testing.assert_close(gp_c[n], gp_e[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow  # inductor builds C++ kernels: minutes on a loaded 2-core machine
 def test_inductor_compiled_mod_block_matches_eager():
     """The real backend (inductor generates C++ here) on the MoD wrapper: same numbers as eager."""
     torch._dynamo.reset()
