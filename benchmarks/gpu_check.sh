@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check (one H200, < 10 minutes): GPU-marked tests, bf16 training steps,
-# MegaBlocks vs native vs DeepSpeed MoE layers, MoD block speed at S=2048.
+# MegaBlocks vs native vs DeepSpeed MoE layers, MoD block speed at S=2048, and the speed modes:
+# fp32/bf16 x eager/compiled training steps of dense and MoD (bench_speed.py), the compile and
+# host-sync tests (tests/test_compile.py: fullgraph on the GPU, CUDA's sync detector).
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   (logs go to OUT_DIR, default ./gpu_check_out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,10 @@ for cfg in configs/tiny/mod.yaml configs/tiny/mode_staged.yaml; do
     log.progress=false run.dir="$OUT/bf16_$(basename $cfg .yaml)" run.fresh=true 2>&1 | tail -3 | tee -a "$OUT/bf16.txt"
   cat "$OUT/bf16_$(basename $cfg .yaml)/DONE" | tee -a "$OUT/bf16.txt"; echo | tee -a "$OUT/bf16.txt"
 done
+
+echo "== Speed modes: fp32/bf16 x eager/compiled, dense vs MoD (d_model 512, S 1024)" | tee "$OUT/bench_speed.txt"
+timeout 120 $PY -m pytest -q tests/test_compile.py 2>&1 | tail -5 | tee -a "$OUT/bench_speed.txt"
+timeout 240 $PY benchmarks/bench_speed.py --batch 8 --reps 10 2>&1 | tee -a "$OUT/bench_speed.txt"
 
 echo "== MoE layers: native vs DeepSpeed vs MegaBlocks" | tee "$OUT/bench_moe.txt"
 timeout 150 $PY benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/bench_moe.txt"

@@ -276,6 +276,8 @@ class TrainConfig:
     """On a non-finite loss or gradient: `skip` the step (counted in train/skipped_steps) or `stop`."""
     max_consecutive_nonfinite: int = 5
     """With `skip`: stop after this many non-finite steps in a row."""
+    compile: bool = False
+    """torch.compile each block (per-block, as torchtitan); off until it is faster everywhere it runs (benchmarks/RESULTS.md)."""
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
@@ -340,7 +342,7 @@ class DeepSpeedConfig:
     zero_stage: int = 0
     """ZeRO stage 0, 1 or 2 (3 is refused: DeepSpeed MoE does not support it)."""
     precision: str = "fp32"
-    """`fp32` or `bf16` (bf16 is for GPUs: ~9x slower than fp32 on CPUs without bf16 units)."""
+    """`fp32` or `bf16` (bf16 weights/activations, fp32 master weights, optimizer states and routing; on CPUs without bf16 units the GEMMs run in fp32)."""
 
     def validate(self) -> None:
         _check(self.zero_stage in (0, 1, 2), "deepspeed.zero_stage", self.zero_stage,

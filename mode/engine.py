@@ -5,11 +5,14 @@ gradient all-reduce) is applied here by DeepSpeed.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from mode.config import Config
 from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
@@ -125,6 +128,70 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
+
+
+def native_bf16_gemms(dev: torch.device) -> bool:
+    """True where bf16 GEMMs have fast kernels: GPUs, and CPUs oneDNN runs bf16 on (avx512_bf16 /
+    AMX). Elsewhere (AVX2-only CPUs) torch falls back to a scalar bf16 GEMM: measured 30-100x slower
+    than fp32 (benchmarks/RESULTS.md, "bf16 on CPU")."""
+    return dev.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# Ops whose bf16 CPU fallback is slow; everything else (elementwise, norms, softmax) stays bf16.
+_GEMMS = {F.linear, torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.mm, torch.Tensor.mm,
+          torch.bmm, torch.Tensor.bmm, F.scaled_dot_product_attention}
+
+
+class Fp32Gemms(TorchFunctionMode):
+    """bf16 GEMMs computed in fp32 on CPUs without bf16 units: bf16 -> fp32 is exact and the
+    result is rounded back to bf16, which is what a bf16 GEMM with fp32 accumulation (a GPU's)
+    returns up to summation order. Autograd records the casts, so the backward GEMMs run in fp32
+    too and the gradients reaching the bf16 parameters are bf16, as DeepSpeed's bf16 path expects."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GEMMS and any(_is_bf16_cpu(a) for a in (*args, *kwargs.values())):
+            up = lambda a: a.float() if _is_bf16_cpu(a) else a  # noqa: E731
+            return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+
+def _is_bf16_cpu(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+
+
+def fp32_gemms_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """Run `model`'s forward (and so its backward) under Fp32Gemms. In place; returns the model."""
+    fwd = model.forward
+
+    @functools.wraps(fwd)
+    def forward(*args, **kwargs):
+        with Fp32Gemms():
+            return fwd(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each block in place (as torchtitan does): one graph per block type is reused by
+    every layer of that type, compile time stays flat in depth, and the module keeps its class and
+    state_dict keys (checkpoints are interchangeable with eager runs). Graph breaks are allowed here
+    (dropless MoE and causal routing need sizes on the host); tests/test_compile.py proves there are
+    none on the paths that claim none."""
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
+def prepare_model(cfg: Config, model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
+    """Speed settings that do not change what is computed: fp32 GEMMs for bf16 on CPUs without
+    bf16 units, and per-block torch.compile (train.compile)."""
+    if cfg.deepspeed.precision == "bf16" and not native_bf16_gemms(dev):
+        fp32_gemms_on_cpu(model)
+    if cfg.train.compile:
+        compile_blocks(model)
+    return model
 
 
 def uses_deepspeed_moe(cfg: Config) -> bool:

@@ -96,7 +96,7 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)  # identical init on every rank
         self.data = DataModule(cfg.data, self.rank, self.world)
-        self.model = build_model(cfg.model).to(self.dev)
+        self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
         self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world)
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * self.world * cfg.data.seq_len

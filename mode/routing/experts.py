@@ -25,8 +25,10 @@ Semantics (DESIGN.md 3.2):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,11 +65,23 @@ def ds_capacity(num_tokens, num_experts: int, capacity_factor: float, k: int, mi
     """DeepSpeed's `_capacity` with capacity_factor*k folded in (top-1: cf, top-2: cf*2, top-k: cf*k):
     ceil(float32(T/E) * float32(cf*k)), floored at min_capacity. `num_tokens` is an int (returns an
     int, no device work) or a 0-d tensor (returns a 0-d tensor on its device: no host sync)."""
-    cf = torch.tensor(capacity_factor * k, dtype=torch.float32)
     if isinstance(num_tokens, int):
-        return max(int(torch.ceil((num_tokens / num_experts) * cf)), min_capacity)
+        return _host_capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
+    cf = torch.tensor(capacity_factor * k, dtype=torch.float32)
     per_expert = (num_tokens.double() / num_experts).float()
     return torch.ceil(per_expert * cf.to(per_expert.device)).long().clamp(min=min_capacity)
+
+
+def count(idx_R: torch.Tensor, n: int) -> torch.Tensor:
+    """bincount with a static length n (values < n): bincount sizes its output from the data,
+    a host sync on GPUs and a graph break under torch.compile."""
+    return torch.zeros(n, dtype=torch.long, device=idx_R.device).scatter_add_(0, idx_R, torch.ones_like(idx_R))
+
+
+@torch.compiler.assume_constant_result  # a function of Python numbers: torch.compile folds it
+def _host_capacity(num_tokens: int, num_experts: int, cf_k: float, min_capacity: int) -> int:
+    # float32 like DeepSpeed, in numpy: a tensor here would be a device read on every call.
+    return max(math.ceil(np.float32(num_tokens / num_experts) * np.float32(cf_k)), min_capacity)
 
 
 class ExpertRouter(nn.Module):
@@ -118,7 +132,7 @@ class ExpertRouter(nn.Module):
             order_R = by_prob_R[torch.argsort(key_R[by_prob_R], stable=True)]
         else:
             order_R = torch.argsort(key_R, stable=True)
-        counts_X = torch.bincount(key_R, minlength=E + 1)  # [E real..., sentinel]
+        counts_X = count(key_R, E + 1)  # [E real..., sentinel]
         start_X = counts_X.cumsum(0) - counts_X
         pos_sorted_R = torch.arange(key_R.numel(), device=key_R.device) - start_X[key_R[order_R]]
         pos_R = torch.empty_like(pos_sorted_R).scatter_(0, order_R, pos_sorted_R)
@@ -158,7 +172,7 @@ class ExpertRouter(nn.Module):
         if self.N and cfg.noop_balance == "include":
             probs_TE = probs_TX
             sel_R = (idx_TK if valid_TK is None else torch.where(valid_TK, idx_TK, E + self.N)).reshape(-1)
-            counts_lb = torch.bincount(sel_R, minlength=E + self.N + 1)[:E + self.N]
+            counts_lb = count(sel_R, E + self.N + 1)[:E + self.N]
         elif self.N:
             probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)
         if vmask_T1 is None:
