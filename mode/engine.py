@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
     # Must be set before deepspeed is imported: it picks its accelerator at import time.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from mode.lifeline import use_venv_build_cache  # noqa: E402
+
+use_venv_build_cache()  # before DeepSpeed builds its CPU comm op
+
 from mode.config import Config  # noqa: E402
 
 
