@@ -24,12 +24,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of a live process, or None."""
+    """(parent pid, start time) of a live process, or None (a zombie is dead: nobody reaped it yet)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[1]), fields[19]
+    return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
 
 
 def _cmdline(pid: int) -> str:

@@ -435,24 +435,27 @@ def _stop(p):
 
 
 @pytest.mark.slow
-def test_second_trainer_on_a_live_run_exits_2_and_the_first_finishes(tmp_path):
+def test_second_trainer_on_a_live_run_exits_2_and_the_first_finishes(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+
     d = tmp_path / "run"
-    run = [*TINY, "train.max_steps=150", "train.eval_every=0", "train.log_every=10", "checkpoint.every=50"]
+    run = [*TINY, "train.max_steps=1000", "train.eval_every=0", "train.log_every=100", "checkpoint.every=500"]
     first = _popen(["train", "--config", CFG, *run, f"run.dir={d}"])
     try:
         _wait_for(lambda: (d / "tb").is_dir() or first.poll() is not None, what="the first trainer")
         assert first.poll() is None, first.communicate()[1][-3000:]
-        r = mode_cli("train", "--config", CFG, *run, f"run.dir={d}", check=False)
+        monkeypatch.chdir(ROOT)
+        rc = main(["train", "--config", CFG, *run, f"run.dir={d}"])  # the second writer: the real CLI, in-process
         was_running = first.poll() is None
-        out, err = first.communicate(timeout=600)
+        out, err = first.communicate(timeout=900)
     finally:
         _stop(first)
-    lines = one_line(r.stderr)
+    lines = one_line(capsys.readouterr().err)
     assert was_running, "the first trainer finished before the second started: make it longer"
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert f"in use by pid {first.pid} on " in lines[0] and "mode.cli train" in lines[0], lines
+    assert rc == 2 and len(lines) == 1, lines
+    assert f"in use by pid {first.pid} on " in lines[0] and "cli.py train --config" in lines[0], lines
     assert first.returncode == 0 and (d / "DONE").exists(), err[-3000:]
-    assert sorted(scalars(d, "train/loss")) == list(range(10, 151, 10))
+    assert sorted(scalars(d, "train/loss")) == list(range(100, 1001, 100))
 
 
 @pytest.mark.slow
@@ -514,3 +517,48 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path, victim):
             os.kill(pid, signal.SIGKILL)
     print(f"\nSIGKILL of {victim} -> both ranks gone in {dt:.1f}s")
     assert dt < 10, dt
+
+
+# ----------------------------------------------------------------------------------------------
+# Disk full and read-only, on real (tmpfs) file systems: needs mount rights (root), else skipped.
+
+
+def _mount_tmpfs(path: Path, opts: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_at_a_checkpoint_is_one_line_naming_the_cause(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=300k")  # config, TensorBoard files fit; the first checkpoint does not
+    try:
+        r = mode_cli("train", "--config", CFG, *TINY, "train.max_steps=4", "train.eval_every=0",
+                     "checkpoint.every=2", f"run.dir={disk / 'run'}", check=False)
+        lines = one_line(r.stderr)
+        leftovers = sorted(p.name for p in (disk / "run" / "checkpoints").iterdir())
+    finally:
+        _umount(disk)
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: cannot write checkpoint") and "no space left on device" in lines[0], lines
+    assert leftovers == []  # the partial save was removed, giving the space back
+
+
+@pytest.mark.slow
+def test_read_only_checkpoints_are_refused_before_any_step(tmp_path):
+    d = tmp_path / "run"
+    (d / "tb").mkdir(parents=True)
+    _mount_tmpfs(d / "checkpoints", "ro,size=1m")
+    try:
+        r = mode_cli("train", "--config", CFG, *TINY, "train.max_steps=4", f"run.dir={d}", check=False)
+    finally:
+        _umount(d / "checkpoints")
+    lines = one_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], r.stderr[-3000:]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoints", "tb"]  # nothing written
