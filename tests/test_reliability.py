@@ -248,6 +248,36 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, 
         assert len(lines) == 1 and lines[0].startswith("config error: "), (args, lines)
 
 
+def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+    from mode.config import dump_config, load_config
+    from mode.model import build_model
+
+    cfg = load_config(CFG, [*TINY, "model.max_seq_len=64"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    torch.save(build_model(cfg.model).state_dict(), tmp_path / "checkpoints" / "step_00000001" / "model.pt")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "62"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "63"]) == 2
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("config error: --max-new-tokens=63: <= 62"), lines
+
+
+def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
+    from mode.config import ConfigError, dump_config, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    moe = ["model.moe.layers=every", "model.moe.num_experts=2", f"run.dir={d}"]
+    d.mkdir()
+    (d / "tb").mkdir()
+    (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
+    with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
+        check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
+
+
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
     from mode.lifeline import stale_build_locks
 
