@@ -174,19 +174,21 @@ def _all(ok: bool) -> bool:
 
 
 def nonfinite_state(engine) -> list[str]:
-    """Names of this rank's parameters / optimizer-state entries that hold NaN or inf."""
-    bad = [n for n, p in engine.module.named_parameters() if not torch.isfinite(p.detach()).all()]
-    opt = engine.optimizer
-    inner = getattr(opt, "optimizer", opt)  # ZeRO wraps the torch optimizer
+    """Names of this rank's parameters / optimizer-state entries that hold NaN or inf (one host sync)."""
     names = {p: n for n, p in engine.module.named_parameters()}
+    tensors = list(engine.module.named_parameters())
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # ZeRO and bf16 wrap the torch optimizer
     for p, st in getattr(inner, "state", {}).items():
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all():
-                bad.append(f"{names.get(p, 'optimizer')}:{k}")
+        tensors += [(f"{names.get(p, 'optimizer')}:{k}", v) for k, v in st.items()
+                    if torch.is_tensor(v) and v.is_floating_point()]
     for i, g in enumerate(getattr(opt, "single_partition_of_fp32_groups", []) or []):  # ZeRO master weights
-        if torch.is_tensor(g) and not torch.isfinite(g).all():
-            bad.append(f"fp32 master partition {i}")
-    return bad
+        if torch.is_tensor(g):
+            tensors.append((f"fp32 master partition {i}", g))
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t.detach()).all().to(tensors[0][1].device) for _, t in tensors]).tolist()
+    return [n for (n, _), ok in zip(tensors, finite) if not ok]
 
 
 def io_cause(e: BaseException, where: Path) -> str:

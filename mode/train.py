@@ -88,7 +88,9 @@ def check_backend(cfg: Config) -> None:
 def check_build_locks() -> None:
     from mode.lifeline import stale_build_locks
 
-    for lock in stale_build_locks():
+    stale = stale_build_locks()
+    if stale:
+        lock = stale[0]
         raise ConfigError("TORCH_EXTENSIONS_DIR", msg=f"stale build lock {lock} (a build of "
                           f"{lock.parent.name} was killed and nothing is building it now; every start would wait on "
                           f"it forever): remove it with `rm {lock}` and start again")
@@ -163,7 +165,7 @@ class Trainer:
         client = ckpt.load(self.engine, last, self.rank, load_optimizer=same_layout)
         self.step, self.tokens = client["step"], client["tokens"]
         self.elapsed_s = client.get("elapsed_s", 0.0)
-        if "log_sums" in client.get("rank_state", {}) and same_layout:
+        if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
             self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)
         if self.rank == 0:
             print(f"resumed from {last} at step {self.step}", file=sys.stderr)
