@@ -95,13 +95,15 @@ def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: in
     return sum(n for _, n in plan_nodes(hostfile, num_nodes, num_gpus))
 
 
-def validate(config: str, overrides: list[str], world: int):
-    """Resolve the config for `world` ranks and run the trainer's preflight; raises ConfigError."""
+def validate(config: str, overrides: list[str], world: int, node_rank: int | None = None):
+    """Resolve the config for `world` ranks and run the trainer's preflight; raises ConfigError.
+    Only node 0 checks the run directory's lock: another node's launcher may start after rank 0
+    took it."""
     from mode.config import load_config
     from mode.train import preflight
 
     cfg = load_config(config, overrides, world_size=world)
-    preflight(cfg)
+    preflight(cfg, lock=not node_rank)
     return cfg
 
 
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
         if a.no_ssh and a.node_rank is None:
             raise _err("--node_rank", None, "this node's rank (required with --no_ssh)")
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
-        cfg = validate(a.config, a.overrides, world)
+        cfg = validate(a.config, a.overrides, world, a.node_rank)
         env = pass_env(a.env)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
@@ -232,4 +234,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mode.errors import guarded
+
+    sys.exit(guarded(main, sys.argv[1:]))

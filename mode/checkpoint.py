@@ -1,17 +1,28 @@
-"""Atomic, exactly-resumable checkpoints on top of DeepSpeed's.
+"""Atomic, verified, exactly-resumable checkpoints on top of DeepSpeed's.
 
 Layout: run.dir/checkpoints/step_00000100/ holds DeepSpeed's files (model, optimizer, scheduler,
 client state with the step), `rng_rank{r}.pt` per rank (torch, cuda, numpy, python RNG: random
-top-k and DeepSpeed's MoE draw from them), and `model.pt` (plain state dict for generation).
-Every rank writes into `step_N.tmp/`; after a barrier rank 0 renames it to `step_N/`. A rename
-is atomic, so a kill during a save leaves at most a `.tmp` directory, which is ignored and
-removed; the newest `step_N/` is always complete.
+top-k and DeepSpeed's MoE draw from them; and the rank's not-yet-logged metric sums), `model.pt`
+(plain state dict for generation) and, written last, `MANIFEST.json`: the size and SHA-256 of
+every other file.
+
+Every rank writes into `step_N.tmp/`; after a barrier rank 0 hashes the files, writes the manifest
+atomically and renames the directory to `step_N/`. A checkpoint counts only if its manifest
+verifies: on resume a damaged, truncated, emptied or file-less newest checkpoint is reported in one
+line, moved aside to `step_N.bad`, and the newest one that verifies is used instead. A state with
+non-finite weights or optimizer moments is never saved, and rotation (`checkpoint.keep`) only
+counts and deletes checkpoints with a manifest, keeping the newest, just-verified one.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
 import random
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -20,17 +31,116 @@ import torch
 import torch.distributed as dist
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
+MANIFEST = "MANIFEST.json"
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line naming the cause."""
+
+
+def step_dirs(root: Path) -> list[Path]:
+    root = Path(root)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name))
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints whose save finished (a manifest exists); verify() says whether they are intact."""
+    return [p for p in step_dirs(root) if (p / MANIFEST).is_file()]
+
+
 def latest(root: Path) -> Path | None:
     c = complete_checkpoints(Path(root))
     return c[-1] if c else None
+
+
+def step_of(path: Path) -> int:
+    return int(Path(path).name.split("_")[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifest: size + SHA-256 per file.
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".part"))
+
+
+def write_manifest(d: Path, step: int) -> None:
+    files = {str(p.relative_to(d)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(d)}
+    part = d / (MANIFEST + ".part")
+    with open(part, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, d / MANIFEST)  # atomic: a manifest is either whole or absent
+
+
+def verify(d: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and checksum; else what is wrong."""
+    m = d / MANIFEST
+    if not m.is_file():
+        return "no manifest: its save never finished" if any(d.iterdir()) else "empty directory"
+    try:
+        files = json.loads(m.read_text())["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"unreadable {MANIFEST}"
+    if not files:
+        return "its manifest lists no files"
+    for name, meta in files.items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            return f"{name} is {size} bytes, {meta['bytes']} when saved ({'emptied' if size == 0 else 'truncated'})"
+        if _sha256(p) != meta["sha256"]:
+            return f"{name} is damaged (its SHA-256 differs from the manifest)"
+    return None
+
+
+def _move_aside(d: Path) -> Path:
+    target, i = d.with_name(d.name + ".bad"), 1
+    while target.exists():
+        i += 1
+        target = d.with_name(f"{d.name}.bad{i}")
+    d.rename(target)
+    return target
+
+
+def newest_verified(root: Path, move_aside: bool = True, log=None) -> Path | None:
+    """The newest checkpoint that verifies. Each newer one that does not is reported in one line
+    and (move_aside) renamed to `step_N.bad`, so a resumed run neither loads it nor collides with it."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    for d in reversed(step_dirs(root)):
+        problem = verify(d)
+        if problem is None:
+            return d
+        moved = _move_aside(d) if move_aside else None
+        log(f"checkpoint {d} is unusable ({problem}); " + (f"moved to {moved.name}, " if moved else "")
+            + "falling back to the previous one")
+    return None
+
+
+def resume_point(root: Path, rank: int) -> Path | None:
+    """Rank 0 verifies (and moves aside what does not verify); every rank gets its answer."""
+    found = [str(newest_verified(root)) if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] not in (None, "None") else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving.
 
 
 def rng_state() -> dict:
@@ -53,39 +163,126 @@ def _barrier():
         dist.barrier()
 
 
-def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int) -> Path:
+def _all(ok: bool) -> bool:
+    """True on every rank iff ok on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=dev)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
+
+
+def nonfinite_state(engine) -> list[str]:
+    """Names of this rank's parameters / optimizer-state entries that hold NaN or inf (one host sync)."""
+    names = {p: n for n, p in engine.module.named_parameters()}
+    tensors = list(engine.module.named_parameters())
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # ZeRO and bf16 wrap the torch optimizer
+    for p, st in getattr(inner, "state", {}).items():
+        tensors += [(f"{names.get(p, 'optimizer')}:{k}", v) for k, v in st.items()
+                    if torch.is_tensor(v) and v.is_floating_point()]
+    for i, g in enumerate(getattr(opt, "single_partition_of_fp32_groups", []) or []):  # ZeRO master weights
+        if torch.is_tensor(g):
+            tensors.append((f"fp32 master partition {i}", g))
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t.detach()).all().to(tensors[0][1].device) for _, t in tensors]).tolist()
+    return [n for (n, _), ok in zip(tensors, finite) if not ok]
+
+
+def io_cause(e: BaseException, where: Path) -> str:
+    """One line naming why a write failed: disk full, read-only, permissions, or the error itself."""
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free if probe.exists() else None
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or (free is not None and free < 64 << 20):
+        return f"no space left on device ({free / 2**20:.1f} MiB free on the filesystem of {probe})"
+    if code == errno.EROFS:
+        return f"read-only file system ({probe})"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({getattr(e, 'filename', None) or probe})"
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int,
+         rank_state: dict | None = None) -> Path:
     root = Path(root)
     tag = f"step_{step:08d}"
     tmp, final = root / f"{tag}.tmp", root / tag
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                    for k, v in engine.module.state_dict().items()}, tmp / "model.pt")
-    _barrier()
-    if rank == 0:
-        tmp.rename(final)
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in root.glob("*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    bad = nonfinite_state(engine)
+    if not _all(not bad):
+        good = latest(root)
+        raise CheckpointError(f"not saving step {step}: non-finite weights or optimizer state"
+                              f"{' (' + ', '.join(bad[:4]) + ')' if bad else ' on another rank'}; "
+                              f"the newest good checkpoint is {good or 'none'}")
+    err = None
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        err = e
+    if _all(err is None):
+        try:
+            engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+            torch.save({**rng_state(), "extra": rank_state or {}}, tmp / f"rng_rank{rank}.pt")
+            if rank == 0:
+                torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+                            for k, v in engine.module.state_dict().items()}, tmp / "model.pt")
+        except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types
+            err = e
+    if _all(err is None):
+        _barrier()
+        if rank == 0:
+            try:
+                write_manifest(tmp, step)
+                if final.exists():  # a checkpoint of this step we did not resume from: keep it, aside
+                    _move_aside(final)
+                tmp.rename(final)
+                rotate(root, keep)
+            except Exception as e:  # noqa: BLE001
+                err = e
+    if not _all(err is None):
+        cause = io_cause(err, tmp) if err is not None else "another rank failed to write its part"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours, partial: give the space back
+        raise CheckpointError(f"cannot write checkpoint {final}: {cause}; the newest good checkpoint is "
+                              f"{latest(root) or 'none'}")
     return final
 
 
+def rotate(root: Path, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints that have a manifest (the newest was just
+    verified by hashing it from disk), and partial saves. Unfinished or moved-aside ones are kept."""
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def load(engine, path: Path, rank: int, load_optimizer: bool = True) -> dict:
-    """Load a complete checkpoint into the engine; restore this rank's RNG. Returns client state."""
+    """Load a verified checkpoint into the engine; restore this rank's RNG. Returns client state
+    with this rank's saved extras under `rank_state`."""
     path = Path(path)
-    _, client = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
-                                       load_lr_scheduler_states=load_optimizer)
+    try:
+        _, client = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=load_optimizer,
+                                           load_lr_scheduler_states=load_optimizer)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}") from e
+    if client is None:
+        raise CheckpointError(f"cannot load checkpoint {path}: DeepSpeed found no state for this rank")
+    client = dict(client)
     rng = path / f"rng_rank{rank}.pt"
     if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False))
+        s = torch.load(rng, weights_only=False)
+        set_rng_state(s)
+        client["rank_state"] = s.get("extra", {})
     else:
         warnings.warn(f"{path} has no RNG state for rank {rank} (world size changed?): "
                       "training randomness will not continue exactly")
-    return client or {}
+    return client

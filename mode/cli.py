@@ -1,6 +1,7 @@
 """`mode train | compare | generate | flops | analyze`.
 
-Config errors print one `config error:` line and exit 2 before any worker process starts.
+Config errors print one `config error:` line and exit 2 before any worker process starts; runtime
+faults print one `error:` line naming the cause (exit 1). `--debug` shows tracebacks instead.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _flops(argv) -> int:
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.match:
+        _check_knob(cfg, a.knob)
         from mode.flops import solve_knob
 
         target = count(load_config(a.match))["forward_flops_per_token"]
@@ -31,6 +33,22 @@ def _flops(argv) -> int:
     c = count(cfg)
     print(json.dumps(c) if a.json else format_table(c))
     return 0
+
+
+def _check_knob(cfg, knob: str) -> None:
+    from mode.config import ConfigError
+
+    import dataclasses
+    import typing
+
+    *path, last = knob.split(".")
+    node = cfg
+    for part in path:
+        node = getattr(node, part, None)
+    tp = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
+    if tp not in (float, typing.Optional[float]):
+        raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
+                          "model.moe.capacity_factor)")
 
 
 def _generate(argv) -> int:
@@ -70,17 +88,17 @@ COMMANDS = {"train": _train, "compare": _compare, "generate": _generate, "flops"
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: mode {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
-        return 2
-    from mode.config import ConfigError
+    from mode.errors import guarded, wants_debug
 
-    try:
-        return COMMANDS[argv[0]](argv[1:])
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
+    debug, argv = wants_debug(list(sys.argv[1:] if argv is None else argv))
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...", file=sys.stderr)
         return 2
+    if debug:
+        import os
+
+        os.environ["MODE_DEBUG"] = "1"  # child processes (launcher ranks) show tracebacks too
+    return guarded(COMMANDS[argv[0]], argv[1:])
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -242,6 +243,7 @@ def child_env(exp: Experiment) -> dict:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // exp.nproc)))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # a nested run must not join our group
         env.pop(k, None)
+    env["MODE_WATCH_PARENT"] = "1"  # a trainer started by compare ends with it (mode/lifeline.py)
     return env
 
 
@@ -317,8 +319,11 @@ def status(run: Run) -> tuple[str, int]:
         return "new", 0
     if (d / "DONE").exists():
         saved = d / "config.yaml"
-        old = yaml.safe_load(saved.read_text()) if saved.exists() else {}
-        if (old or {}).get("train", {}).get("max_steps") == run.cfg.train.max_steps:
+        try:
+            old = yaml.safe_load(saved.read_text()) if saved.exists() else {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            old = {}
+        if isinstance(old, dict) and (old.get("train") or {}).get("max_steps") == run.cfg.train.max_steps:
             return "done", run.cfg.train.max_steps
     last = ckpt.latest(d / "checkpoints")
     if last is not None:
@@ -378,16 +383,36 @@ def run_slurm(exp: Experiment, runs: list[Run], env: dict, log) -> int:
     return pending
 
 
+class Stopped(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
 def run_one(exp: Experiment, run: Run, env: dict) -> int:
-    proc = subprocess.Popen(command(exp, run), env=env)  # stdout/stderr pass through: the run's bar
+    """Run one job in its own process group; SIGTERM/SIGINT to compare stop the whole job (launcher
+    and ranks): a stopped compare leaves no trainer behind. Returns the exit code (128 + signal)."""
+    proc = subprocess.Popen(command(exp, run), env=env, start_new_session=True)  # the run's bar passes through
     try:
         return proc.wait()
-    except KeyboardInterrupt:
-        try:
-            return proc.wait(timeout=30) or 130
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 130
+    except (Stopped, KeyboardInterrupt) as e:
+        sig = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print(f"stopping {run.name} (signal {signal.Signals(sig).name}); invoke the same command again to resume it",
+              file=sys.stderr, flush=True)
+        for s, wait in ((sig, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, s)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return 128 + int(sig)
 
 
 def report(exp: Experiment) -> Path:
@@ -425,10 +450,18 @@ def main(argv=None) -> int:
         if a.runs_dir:
             exp.runs_dir, exp.report_dir = Path(a.runs_dir), None
         if a.seeds:
-            exp.seeds = _seed_list([int(x) for x in a.seeds.split(",")], exp.path, "--seeds")
+            try:
+                seeds = [int(x) for x in a.seeds.split(",")]
+            except ValueError:
+                raise ConfigError("--seeds", a.seeds, "comma-separated integers, e.g. 0,1,2") from None
+            exp.seeds = _seed_list(seeds, exp.path, "--seeds")
             for v in exp.variants.values():
                 v.pop("seeds", None)
         runs = expand(exp, only, extra)
+        if not a.dry_run:
+            from mode.rundir import check_lock
+
+            check_lock(exp.runs_dir, key="runs_dir")  # name the other compare, not its trainer
         validate(exp, runs)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
@@ -442,6 +475,24 @@ def main(argv=None) -> int:
             log(f"[{i}/{n}] {r.name}: {describe(r)}")
             print(shlex.join(command(exp, r)))
         return 0
+    from mode import rundir
+
+    try:  # one compare per grid: a second would start a second trainer on the same run directories
+        lock = rundir.DirLock(exp.runs_dir, key="runs_dir")
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stopped)
+    try:
+        return _run_all(a, exp, runs, env, log, lock)
+    except Stopped as e:
+        return 128 + int(e.signum)
+
+
+def _run_all(a, exp: Experiment, runs: list[Run], env: dict, log, lock) -> int:
+    n = len(runs)
+    todo = sum(r.status != "done" for r in runs)
     write_plan(exp, runs)
 
     if exp.launcher == "slurm":
@@ -476,6 +527,7 @@ def main(argv=None) -> int:
         log(f"warning: the analysis package is not importable ({e}); runs are in {exp.runs_dir}, no report")
         return 1
     print(f"report: {path}", flush=True)
+    lock.release()
     return 0
 
 

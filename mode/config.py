@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import sys
 import textwrap
@@ -189,13 +190,13 @@ class ModelConfig:
     max_seq_len: int = 2048
     """Largest position the rotary table covers (training sequence length and generation length)."""
     rope_theta: float = 10000.0
-    """Rotary base."""
+    """Rotary base; > 0."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head."""
     init_std: float = 0.02
     """Std of the normal init; residual output projections are scaled by 1/sqrt(2 * n_layers)."""
     norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon; > 0."""
     mod: ModConfig = field(default_factory=ModConfig)
     """Mixture-of-Depths routing."""
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -208,6 +209,8 @@ class ModelConfig:
                self.n_heads, f"a divisor of d_model={self.d_model} leaving an even head size")
         _check(self.mlp in ("swiglu", "gelu"), "model.mlp", self.mlp, "swiglu or gelu")
         _check(self.init_std > 0, "model.init_std", self.init_std, "> 0")
+        _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "> 0")
+        _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "> 0")
         self.mod.validate(self.n_layers)
         self.moe.validate(self.n_layers)
 
@@ -315,6 +318,7 @@ class OptimConfig:
         _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "in [0, 1)")
         _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "in [0, 1)")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
+        _check(self.eps > 0, "optim.eps", self.eps, "> 0")
 
 
 @dataclass
@@ -353,11 +357,17 @@ class DeepSpeedConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
-    """Run directory: holds tb/ (TensorBoard), checkpoints/ and config.yaml; an existing one is resumed."""
+    """Run directory (`~` expanded): holds tb/ (TensorBoard), checkpoints/ and config.yaml; an existing one is resumed. A directory holding files mode did not write is refused."""
     fresh: bool = False
-    """Delete an existing run directory instead of resuming it."""
+    """Empty an existing run directory instead of resuming it (only one that holds nothing but a mode run's files)."""
     name: str = ""
     """Variant name (set by `mode compare`); shown in reports."""
+
+    def __post_init__(self):
+        self.dir = os.path.expanduser(self.dir)
+
+    def validate(self) -> None:
+        _check(bool(self.dir.strip()), "run.dir", self.dir, "a non-empty path (an unset shell variable?)")
 
 
 @dataclass
@@ -410,24 +420,54 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for k, _ in node.value:
+            key = self.construct_object(k, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return " ".join(str(e).split())
+
+
+def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
     """Read a YAML config, resolving `base: other.yaml` (relative to the file) recursively."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("--config", str(path), "an existing YAML file")
+    if path.resolve() in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path.resolve()))
+        raise ConfigError("base", msg=f"{path}: `base:` forms a cycle ({cycle})")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", msg=f"{path}: not UTF-8 text (byte {e.start}); a YAML config is expected")
     except yaml.YAMLError as e:
-        raise ConfigError("--config", msg=f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+        raise ConfigError("--config", msg=f"{path}: not valid YAML ({_yaml_problem(e)})")
+    if raw is None:
+        raise ConfigError("--config", msg=f"{path}: empty; write at least one section (e.g. `base: ...` or `model:`)")
     if not isinstance(raw, dict):
         raise ConfigError("--config", msg=f"{path}: the top level must be a mapping")
     base = raw.pop("base", None)
     if base is None:
         return raw
     bases = base if isinstance(base, list) else [base]
+    if not bases or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError("base", base, "a path or a list of paths (relative to the file)")
     merged: dict = {}
     for b in bases:
-        merged = _deep_merge(merged, read_yaml(path.parent / b))
+        merged = _deep_merge(merged, read_yaml(path.parent / b, (*_chain, path.resolve())))
     return _deep_merge(merged, raw)
 
 
@@ -439,10 +479,17 @@ def apply_overrides(d: dict, overrides: List[str]) -> dict:
         key, val = ov.split("=", 1)
         node = d
         parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node[p] = dict(node.get(p) or {}) if isinstance(node.get(p, {}), dict) else node[p]
+        if not all(parts):
+            raise ConfigError(key, msg=f"override {ov!r}: expected dotted.key=value")
+        for i, p in enumerate(parts[:-1]):
+            if not isinstance(node.get(p, {}), dict):
+                raise ConfigError(key, msg=f"override {ov!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
+            node[p] = dict(node.get(p) or {})
             node = node[p]
-        node[parts[-1]] = yaml.safe_load(val) if val != "" else ""
+        try:
+            node[parts[-1]] = parse_yaml(val) if val != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(key, val, f"a YAML value ({_yaml_problem(e)})") from None
     return d
 
 
@@ -475,12 +522,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, value, "a mapping")
         return _build(tp, value, key + ".")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, value, "a finite number")
     if tp is bool and not isinstance(value, bool) or not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
     return value

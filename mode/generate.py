@@ -11,6 +11,7 @@ to their own cache only when they process it, so cache lengths differ per row an
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,13 +106,22 @@ def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temp
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest complete checkpoint dir: checkpoints/step_<N> (no `.tmp` suffix) holding model.pt."""
+    """Newest complete checkpoint dir: checkpoints/step_<N> (no `.tmp` suffix) holding model.pt
+    whose manifest verifies (one without a manifest predates manifests). A damaged newer one is
+    reported in one line and skipped (left in place: sampling never changes a run)."""
+    from mode.checkpoint import MANIFEST, verify
+
     ckpts = []
     for d in (Path(run_dir) / "checkpoints").glob("step_*"):
         m = re.fullmatch(r"step_(\d+)", d.name)
         if m and d.is_dir() and (d / "model.pt").is_file():
             ckpts.append((int(m.group(1)), d))
-    return max(ckpts)[1] if ckpts else None
+    for _, d in sorted(ckpts, reverse=True):
+        problem = verify(d) if (d / MANIFEST).exists() else None
+        if problem is None:
+            return d
+        print(f"checkpoint {d} is unusable ({problem}); falling back to the previous one", file=sys.stderr)
+    return None
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
@@ -122,7 +132,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir}/config.yaml not found: is {run_dir} a run directory?")
+        raise ConfigError("--run", str(run_dir), "a run directory (it holds config.yaml and checkpoints/)")
     try:
         cfg = load_config(run_dir / "config.yaml")
     except ConfigError as e:  # sampling reads no data: a training file that moved must not block it
@@ -131,7 +141,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
         cfg = load_config(run_dir / "config.yaml", ["data.source=stdlib"])
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        raise FileNotFoundError(f"no complete checkpoint (checkpoints/step_*/model.pt) under {run_dir}")
+        raise ConfigError("--run", str(run_dir), "a run with a complete checkpoint (checkpoints/step_*/model.pt); "
+                          "this one has none yet")
     model = build_model(cfg.model)
     state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
     state = state.get("module", state) if isinstance(state, dict) else state
@@ -143,7 +154,15 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
 def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                  seed: int = 0) -> list[str]:
     """What `mode generate --run RUN_DIR --prompt TEXT` does: the prompt followed by its sample."""
+    from mode.config import ConfigError
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if max_new_tokens < 0:
+        raise ConfigError("--max-new-tokens", max_new_tokens, ">= 0")
     model, tok, _ = load_run(run_dir, device)
+    longest = max(len(tok.encode(p)) for p in prompts) + 1  # + the EOS that starts each prompt
+    if longest + max_new_tokens - 1 > model.cfg.max_seq_len:
+        raise ConfigError("--max-new-tokens", max_new_tokens, f"<= {model.cfg.max_seq_len - longest + 1} "
+                          f"(model.max_seq_len={model.cfg.max_seq_len} minus the longest prompt, {longest} tokens)")
     return [p + s for p, s in zip(prompts, generate(model, tok, prompts, max_new_tokens, temperature, seed=seed))]
 

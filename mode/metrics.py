@@ -31,6 +31,13 @@ class Accumulator:
                 self.sums[k] = torch.maximum(self.sums[k], v) if is_max(k) else self.sums[k] + v
             self.counts[k] = self.counts.get(k, 0) + 1
 
+    def state_dict(self) -> dict:
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.sums = {k: v.to(device) for k, v in state["sums"].items()}
+        self.counts = dict(state["counts"])
+
     def read(self) -> dict[str, float]:
         if not self.sums:
             return {}

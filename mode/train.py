@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 import warnings
@@ -19,17 +18,18 @@ import yaml
 
 from mode import engine as eng
 from mode import checkpoint as ckpt
+from mode import rundir
 from mode.config import Config, ConfigError, dump_config, load_config
 from mode.data import DataModule, build_tokenizer
 from mode.flops import count as count_flops
 from mode.metrics import Accumulator, TBWriter
 from mode.model import build_model
-from mode.plan import has_depth_routing
+from mode.plan import has_depth_routing, has_moe, layer_plan
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
-                  "model.moe.ep_size", "model.moe.backend")
+                  "model.moe.ep_size")
 
 
 class NonFiniteError(RuntimeError):
@@ -52,13 +52,20 @@ def config_diff(old: dict, new: dict) -> list[str]:
             if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
 
 
-def check_run_dir(cfg: Config) -> dict | None:
+def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     """Refuse a run directory written by an incompatible config (before any worker starts).
     Returns the saved config dict when resuming."""
-    saved = Path(cfg.run.dir) / "config.yaml"
+    saved = rundir.check(cfg.run.dir, cfg.run.fresh, lock=lock) / "config.yaml"
     if cfg.run.fresh or not saved.exists():
         return None
-    old = yaml.safe_load(saved.read_text())
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        old = e
+    if not isinstance(old, dict):
+        what = "empty" if old is None else "not a readable config"
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml is {what}, so the run cannot be "
+                          "resumed; pass run.fresh=true to start over or use another run.dir")
     diff = config_diff(old, cfg.to_dict())
     if diff:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
@@ -72,10 +79,34 @@ def check_vocab(cfg: Config) -> None:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
 
 
-def preflight(cfg: Config) -> dict | None:
-    """Everything that can be checked before processes start."""
+def check_backend(cfg: Config) -> None:
+    if cfg.model.moe.backend == "megablocks" and has_moe(layer_plan(cfg.model)):
+        from mode.moe.megablocks import require_megablocks
+
+        require_megablocks()
+
+
+def check_build_locks() -> None:
+    from mode.lifeline import stale_build_locks, use_venv_build_cache
+
+    use_venv_build_cache()
+    stale = stale_build_locks()
+    if stale:
+        lock = stale[0]
+        raise ConfigError("TORCH_EXTENSIONS_DIR", msg=f"stale build lock {lock} (a build of "
+                          f"{lock.parent.name} was killed and nothing is building it now; every start would wait on "
+                          f"it forever): remove it with `rm {lock}` and start again")
+
+
+def preflight(cfg: Config, lock: bool = True) -> dict | None:
+    """Everything that can be checked before processes start (the launchers, `mode compare` and
+    `--print-config` call it; so does every rank). Add new checks here: each raises ConfigError
+    and writes nothing. Returns the saved config when resuming. `lock=False` skips the one-writer
+    check (a launcher on node R > 0 may start after rank 0 took the lock)."""
     check_vocab(cfg)
-    return check_run_dir(cfg)
+    check_backend(cfg)
+    check_build_locks()
+    return check_run_dir(cfg, lock)
 
 
 class Trainer:
@@ -86,10 +117,11 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         saved = preflight(cfg)  # every rank reads the saved config before rank 0 replaces it
         self._barrier()
+        self.lock = None
         if self.rank == 0:
-            if cfg.run.fresh and self.run_dir.exists():
-                shutil.rmtree(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
+            if cfg.run.fresh:
+                rundir.empty_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self._barrier()
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -103,6 +135,7 @@ class Trainer:
         self.flops = count_flops(cfg)
         self.step, self.tokens, self.elapsed_s, self.consecutive_bad = 0, 0, 0.0, 0
         self.prev_cfg = saved
+        self.acc = Accumulator()  # metric sums not yet logged: checkpointed so the series survives a resume
         self._resume()
         self.tb = TBWriter(self.run_dir / "tb", self.rank == 0)
         if self.rank == 0:
@@ -119,7 +152,7 @@ class Trainer:
             dist.barrier()
 
     def _resume(self) -> None:
-        last = ckpt.latest(self.ckpt_dir)
+        last = ckpt.resume_point(self.ckpt_dir, self.rank)
         if last is None:
             return
         old_ep = (self.prev_cfg or {}).get("model", {}).get("moe", {}).get("ep_size", self.cfg.model.moe.ep_size)
@@ -130,12 +163,15 @@ class Trainer:
         client = ckpt.load(self.engine, last, self.rank, load_optimizer=same_layout)
         self.step, self.tokens = client["step"], client["tokens"]
         self.elapsed_s = client.get("elapsed_s", 0.0)
+        if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
+            self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)
         if self.rank == 0:
             print(f"resumed from {last} at step {self.step}", file=sys.stderr)
 
     def save(self) -> None:
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s, "world_size": self.world}
-        ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep)
+        ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,
+                  rank_state={"log_sums": self.acc.state_dict()})
 
     def train_step(self, acc: Accumulator) -> None:
         t = self.cfg.train
@@ -203,7 +239,7 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        acc, last = Accumulator(), {}
+        acc, last = self.acc, {}
         bar = None
         if self.rank == 0 and cfg.log.progress:
             from tqdm import tqdm
@@ -218,7 +254,9 @@ class Trainer:
             self.train_step(acc)
             steps_since += 1
             done = self.step == end
-            if self.step % t.log_every == 0 or done:
+            # Log and evaluate on the schedule alone (not at stop_at): a stopped-and-resumed run
+            # logs the same points, from the same sums, as an uninterrupted one.
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
                 vals = acc.read()  # all-reduce + host sync
                 dt = time.perf_counter() - t_log
                 self.elapsed_s += dt
@@ -234,7 +272,7 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix(loss=f"{vals['train/loss']:.3f}", tok_s=f"{vals['perf/tokens_per_s']:.0f}")
                 t_log, steps_since = time.perf_counter(), 0
-            if (t.eval_every and self.step % t.eval_every == 0) or done:
+            if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 ev = self.evaluate()
                 self.tb.write(ev, self.step)
                 last.update(ev)
@@ -252,6 +290,8 @@ class Trainer:
             (self.run_dir / "DONE").write_text(json.dumps(last))
             print(f"TensorBoard logs: {self.run_dir / 'tb'}", file=sys.stderr)
         self.tb.close()
+        if self.lock is not None:
+            self.lock.release()
         return last
 
 
@@ -260,25 +300,32 @@ def train(cfg: Config) -> dict:
 
 
 def main(argv=None) -> int:
+    from mode.errors import guarded
+
+    return guarded(_main, list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="mode train", description="Train a model from a YAML config.")
     p.add_argument("--config", required=True)
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--print-config", action="store_true", help="check the config as a start would, print it, exit")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     a = p.parse_args(argv)
+    import os
+
+    from mode.lifeline import die_with_launcher
+
+    die_with_launcher()  # a rank never outlives its launcher
     try:
         cfg = load_config(a.config, a.overrides)
+        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
+        preflight(cfg)
         if a.print_config:
             print(dump_config(cfg), end="")
             return 0
-        import os
-
-        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
-        preflight(cfg)
         train(cfg)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

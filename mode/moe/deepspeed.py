@@ -39,6 +39,9 @@ def use_cpu_accelerator_without_cuda() -> None:
     """DeepSpeed picks its accelerator when it is first imported: on a machine without CUDA it must
     be told `cpu` first. Called before each `import deepspeed` here and in mode/engine.py (never at
     import time: importing mode changes no environment)."""
+    from mode.lifeline import use_venv_build_cache
+
+    use_venv_build_cache()  # before DeepSpeed builds its CPU comm op
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

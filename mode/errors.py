@@ -1,0 +1,45 @@
+"""One line per failure at the command line: `config error: ...` (exit 2) for bad input, `error: <cause>`
+(exit 1) for runtime faults (disk full, read-only, corrupt checkpoint). `--debug` anywhere on the
+command line, or MODE_DEBUG=1, shows the traceback instead."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def wants_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    debug = "--debug" in argv or os.environ.get("MODE_DEBUG", "") not in ("", "0")
+    return debug, [a for a in argv if a != "--debug"]
+
+
+def one_line(e: BaseException) -> tuple[str, int]:
+    from mode.checkpoint import CheckpointError, io_cause
+    from mode.config import ConfigError
+
+    if isinstance(e, ConfigError):
+        return str(e), 2
+    if isinstance(e, CheckpointError):
+        return f"error: {e}", 1
+    text = " ".join(str(e).split())
+    if isinstance(e, OSError) or "PytorchStreamWriter" in text or "unexpected pos" in text:
+        return f"error: {io_cause(e, Path(getattr(e, 'filename', None) or '.'))}", 1
+    return f"error: {type(e).__name__}: {text[:400]} (run again with --debug for the traceback)", 1
+
+
+def guarded(fn, argv: list[str]) -> int:
+    """fn(argv) -> exit code, with every exception turned into its one line (unless debugging)."""
+    debug, argv = wants_debug(argv)
+    try:
+        return fn(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the point: no traceback reaches a user unasked
+        if debug:
+            raise
+        line, code = one_line(e)
+        print(line, file=sys.stderr, flush=True)
+        return code

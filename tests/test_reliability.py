@@ -1,0 +1,594 @@
+"""Nothing lost, ever (#16): run directories, verified checkpoints with fallback, one writer per run,
+no orphans, one-line errors. Each test reproduces a fault and checks the new behaviour; tests that
+start a process or train are marked slow."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.malformed import all_cases, run_case
+from tests.util import PY, ROOT, TINY, env, free_port, mode_cli, scalars
+
+CFG = "configs/tiny/dense.yaml"
+
+
+def one_line(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Run directories.
+
+
+def test_run_dir_tilde_is_expanded():
+    from mode.config import load_config
+
+    assert load_config(CFG, ["run.dir=~/runs/x"]).run.dir == str(Path.home() / "runs" / "x")
+
+
+@pytest.mark.parametrize("value", ["", " ", ".", "..", "/"])
+def test_run_dir_never_empty_cwd_or_parent(tmp_path, monkeypatch, value):
+    from mode import rundir
+    from mode.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("mine")
+    for fresh in (False, True):
+        with pytest.raises(ConfigError, match="run.dir"):
+            rundir.check(value, fresh)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_fresh_refuses_a_directory_mode_did_not_write(tmp_path):
+    from mode import rundir
+    from mode.config import ConfigError
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    (notes / "tb").mkdir()  # looks a bit like a run, but holds a foreign file
+    for fresh in (True, False):
+        with pytest.raises(ConfigError, match="thesis.tex"):
+            rundir.check(str(notes), fresh)
+    assert (notes / "thesis.tex").read_text() == "years of work"
+
+
+def test_fresh_empties_only_a_mode_run(tmp_path):
+    from mode import rundir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "tb").mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    (run / "DONE").write_text("{}")
+    assert rundir.is_mode_run(run) and not rundir.is_mode_run(tmp_path)
+    lock = rundir.DirLock(run)
+    rundir.check(str(run), True, lock=False)
+    rundir.empty_run_dir(run)
+    assert sorted(p.name for p in run.iterdir()) == ["LOCK"]  # the lock of the new run stays
+    lock.release()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. One writer per run (in-process part: the lock itself).
+
+
+def test_dir_lock_is_exclusive_and_names_the_holder(tmp_path):
+    from mode import rundir
+    from mode.config import ConfigError
+
+    lock = rundir.DirLock(tmp_path / "run")
+    with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()} on "):
+        rundir.check_lock(tmp_path / "run")
+    with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()} on "):
+        rundir.DirLock(tmp_path / "run")
+    lock.release()
+    assert (tmp_path / "run" / "LOCK").read_text() == ""  # released cleanly: no holder recorded
+    rundir.check_lock(tmp_path / "run")
+    rundir.DirLock(tmp_path / "run").release()
+
+
+def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
+    from mode import rundir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": "node7", "started": 0, "cmd": "mode train"}))
+    rundir.check_lock(d)  # nobody holds the flock: not refused
+    lock = rundir.DirLock(d)
+    err = capsys.readouterr().err
+    assert "taking over the lock of pid 999999 on node7" in err and "no longer running" in err
+    assert json.loads((d / "LOCK").read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Verified checkpoints (the verification and fallback on real torch files; training below).
+
+
+def _fake_checkpoint(root: Path, step: int, seed: int) -> Path:
+    from mode import checkpoint as ckpt
+
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    torch.save({"w": torch.randn(64, 64, generator=g)}, d / "mp_rank_00_model_states.pt")
+    torch.save({"m": torch.randn(64, 64, generator=g)}, d / "optim_states.pt")
+    ckpt.write_manifest(d, step)
+    return d
+
+
+def _damage(d: Path, how: str) -> None:
+    f = d / "mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    if how == "flipped":  # 16 bytes inside the tensor record
+        mid = len(data) // 2
+        data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+        f.write_bytes(bytes(data))
+    elif how == "truncated":
+        f.write_bytes(bytes(data[: len(data) // 3]))
+    elif how == "emptied":
+        f.write_bytes(b"")
+    elif how == "file-less":
+        for p in d.iterdir():
+            p.unlink()
+    elif how == "file missing":
+        f.unlink()
+    elif how == "no manifest":
+        (d / "MANIFEST.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "emptied", "file-less", "file missing", "no manifest"])
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, how):
+    from mode import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 2, 0)
+    good = _fake_checkpoint(root, 4, 1)
+    bad = _fake_checkpoint(root, 6, 2)
+    assert ckpt.verify(bad) is None
+    _damage(bad, how)
+    lines = []
+    assert ckpt.verify(bad) is not None
+    assert ckpt.newest_verified(root, log=lines.append) == good
+    assert len(lines) == 1 and "step_00000006" in lines[0] and "falling back" in lines[0], lines
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad"]
+
+
+def test_rotation_keeps_the_newest_verified_and_ignores_unfinished(tmp_path):
+    from mode import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for s in (2, 4, 6):
+        _fake_checkpoint(root, s, s)
+    (root / "step_00000008").mkdir()  # no manifest: never counted as a kept checkpoint
+    ckpt.rotate(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000008"]
+    assert ckpt.latest(root).name == "step_00000006"
+
+
+def test_write_failures_name_the_cause():
+    import errno
+
+    from mode.checkpoint import io_cause
+
+    assert "no space left on device" in io_cause(OSError(errno.ENOSPC, "No space left on device"), Path("/tmp"))
+    assert "read-only file system" in io_cause(OSError(errno.EROFS, "Read-only file system"), Path("/tmp"))
+    assert "permission denied" in io_cause(PermissionError(errno.EACCES, "denied", "/x/ck"), Path("/tmp"))
+
+
+def test_accumulator_state_round_trip_continues_the_same_sums():
+    from mode.metrics import Accumulator
+
+    a, b = Accumulator(), Accumulator()
+    for v in (1.0, 2.5):
+        a.add({"loss": torch.tensor(v)})
+    b.load_state_dict(a.state_dict(), "cpu")
+    for acc in (a, b):
+        acc.add({"loss": torch.tensor(4.0)})
+    assert a.read() == b.read() == {"loss": (1.0 + 2.5 + 4.0) / 3}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. One-line errors: every malformed input is refused with exactly one `config error:` line.
+
+CASES = all_cases()
+
+
+@pytest.mark.parametrize("kind,name,spec", CASES, ids=[f"{k}:{n}" for k, n, _ in CASES])
+def test_malformed_input_is_one_config_error_line(tmp_path, kind, name, spec):
+    res = run_case(kind, spec, tmp_path)
+    assert res["clean"], res
+
+
+def test_there_are_at_least_100_malformed_cases():
+    assert len(CASES) >= 100
+
+
+def test_print_config_of_a_good_config_still_works(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--print-config", "--config", str(ROOT / CFG), *TINY, "run.dir=runs/x"]) == 0
+    assert "d_model: 32" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()  # print-config writes nothing
+
+
+def test_debug_flag_shows_the_traceback(tmp_path, monkeypatch):
+    from mode.cli import main
+    from mode.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MODE_DEBUG", "0")  # restored (unset) afterwards: main sets it for its children
+    with pytest.raises(ConfigError):
+        main(["--debug", "train", "--print-config", "--config", str(ROOT / CFG), "optim.lr=.inf"])
+
+
+def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cases = [["flops", "--config", str(ROOT / CFG), "--match", str(ROOT / CFG), "--knob", "model.n_layers"],
+             ["compare", str(ROOT / "configs/experiments/quickstart.yaml"), "--seeds", "a,b", "--dry-run"],
+             ["generate", "--run", str(tmp_path / "missing"), "--prompt", "x"]]
+    (tmp_path / "norun").mkdir()
+    (tmp_path / "norun" / "config.yaml").write_text((ROOT / CFG).read_text())
+    cases.append(["generate", "--run", str(tmp_path / "norun"), "--prompt", "x"])
+    for args in cases:
+        assert main(args) == 2, args
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith("config error: "), (args, lines)
+
+
+def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+    from mode.config import dump_config, load_config
+    from mode.model import build_model
+
+    cfg = load_config(CFG, [*TINY, "model.max_seq_len=64"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    torch.save(build_model(cfg.model).state_dict(), tmp_path / "checkpoints" / "step_00000001" / "model.pt")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "62"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "63"]) == 2
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("config error: --max-new-tokens=63: <= 62"), lines
+
+
+def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
+    from mode.config import ConfigError, dump_config, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    moe = ["model.moe.layers=every", "model.moe.num_experts=2", f"run.dir={d}"]
+    d.mkdir()
+    (d / "tb").mkdir()
+    (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
+    with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
+        check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
+
+
+def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
+    from mode.lifeline import stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    assert stale_build_locks() == []  # young: a build may be starting
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    assert stale_build_locks() == [lock]
+
+
+@pytest.mark.slow
+def test_a_live_build_is_not_called_stale(tmp_path, monkeypatch):
+    from mode.lifeline import stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    builder = subprocess.Popen(["sleep", "60"], cwd=lock.parent)  # stands where ninja would run
+    try:
+        assert stale_build_locks() == []
+    finally:
+        builder.kill()
+        builder.wait()
+    assert stale_build_locks() == [lock]
+
+
+@pytest.mark.slow
+def test_stale_build_lock_refuses_the_start_in_one_line(tmp_path):
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    r = subprocess.run([PY, "-m", "mode.cli", "train", "--config", CFG, *TINY, f"run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=dict(env(1), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")), capture_output=True,
+                       text=True, timeout=120)
+    lines = one_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and f"rm {lock}" in lines[0], r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end, through the CLI.
+
+
+@pytest.mark.slow
+def test_fresh_on_a_users_directory_deletes_nothing(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    r = mode_cli("train", "--config", CFG, *TINY, f"run.dir={notes}", "run.fresh=true", check=False)
+    lines = one_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and "thesis.tex" in lines[0], r.stderr
+    assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
+    # an empty run.dir (an unset shell variable) with fresh: the current directory is untouched
+    cwd_before = sorted(p.name for p in ROOT.iterdir())
+    r = mode_cli("train", "--config", CFG, *TINY, "run.dir=", "run.fresh=true", check=False)
+    assert r.returncode == 2 and one_line(r.stderr)[0].startswith("config error: run.dir=''"), r.stderr
+    assert sorted(p.name for p in ROOT.iterdir()) == cwd_before
+
+
+CKPT_RUN = [*TINY, "train.max_steps=8", "train.log_every=3", "train.eval_every=0", "checkpoint.every=2",
+            "checkpoint.keep=3", "optim.warmup_steps=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["flipped", "truncated"])
+def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how):
+    """The newest checkpoint is damaged: the run says so in one line, resumes from the previous one,
+    and its logged losses (log_every=3 does not divide checkpoint.every=2) equal an uninterrupted run's."""
+    mode_cli("train", "--config", CFG, *CKPT_RUN, f"run.dir={tmp_path / 'ref'}")
+    d = tmp_path / "run"
+    mode_cli("train", "--config", CFG, *CKPT_RUN, "train.stop_at=6", f"run.dir={d}")
+    ck = d / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
+    _damage(ck / "step_00000006", how)
+
+    r = mode_cli("train", "--config", CFG, *CKPT_RUN, f"run.dir={d}")
+    complaints = [ln for ln in one_line(r.stderr) if "step_00000006" in ln]
+    assert len(complaints) == 1 and "unusable" in complaints[0], r.stderr
+    assert f"resumed from {ck / 'step_00000004'} at step 4" in r.stderr
+    a, b = scalars(tmp_path / "ref", "train/loss"), scalars(d, "train/loss")
+    assert list(a) == [3, 6, 8] and a == b, (a, b)  # bit for bit, the step-6 mean included
+    assert (ck / "step_00000006.bad").is_dir() and (d / "DONE").exists()
+
+
+@pytest.mark.slow
+def test_log_series_is_exact_across_a_resume_at_any_cadence(tmp_path):
+    run = [*TINY, "train.max_steps=10", "train.log_every=4", "train.eval_every=0", "checkpoint.every=3",
+           "optim.warmup_steps=2"]
+    mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'ref'}")
+    mode_cli("train", "--config", CFG, *run, "train.stop_at=7", f"run.dir={tmp_path / 'run'}")
+    mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'run'}")
+    for tag in ("train/loss", "train/aux_loss"):
+        a, b = scalars(tmp_path / "ref", tag), scalars(tmp_path / "run", tag)
+        assert list(a) == [4, 8, 10] and a == b, (tag, a, b)
+
+
+NAN_SCRIPT = '''
+import json, sys
+import torch
+from mode import checkpoint as ckpt
+from mode.config import load_config
+from mode.train import Trainer
+
+a = json.loads(sys.argv[1])
+t = Trainer(load_config(a["config"], a["overrides"]))
+step = t.train_step
+def poisoned(acc):
+    step(acc)
+    if t.step == a["poison_after"]:  # the weights themselves turn NaN (not the gradient)
+        with torch.no_grad():
+            t.model.blocks[0].mlp.w_in.weight.fill_(float("nan"))
+t.train_step = poisoned
+try:
+    t.fit()
+    print("RESULT " + json.dumps({"error": None}))
+except ckpt.CheckpointError as e:
+    print("RESULT " + json.dumps({"error": str(e), "step": t.step}))
+'''
+
+
+@pytest.mark.slow
+def test_a_nonfinite_state_is_never_saved_and_the_good_checkpoint_survives(tmp_path):
+    d = tmp_path / "run"
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_SCRIPT)
+    args = {"config": CFG, "poison_after": 3,
+            "overrides": [*TINY, "train.max_steps=8", "train.eval_every=0", "checkpoint.every=2", "checkpoint.keep=1",
+                          "train.max_consecutive_nonfinite=9", f"run.dir={d}"]}
+    r = subprocess.run([PY, str(script), json.dumps(args)], cwd=ROOT, env=dict(env(1), PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=300)
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res["error"] and "not saving step 4: non-finite weights" in res["error"], (res, r.stderr[-2000:])
+    assert "blocks.0.mlp.w_in.weight" in res["error"] and "step_00000002" in res["error"]
+    from mode import checkpoint as ckpt
+
+    ck = d / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000002"]  # keep=1 rotated nothing away
+    assert ckpt.verify(ck / "step_00000002") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per run, compare's signals, orphans.
+
+LONG = [*TINY, "train.max_steps=100000", "train.eval_every=0", "train.log_every=10", "checkpoint.every=0"]
+
+
+def _popen(args, **kw):
+    return subprocess.Popen([PY, "-m", "mode.cli", *map(str, args)], cwd=ROOT, env=env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def _wait_for(pred, timeout=180, what=""):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _holder(d: Path) -> dict:
+    try:
+        return json.loads((d / "LOCK").read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _stop(p):
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+@pytest.mark.slow
+def test_second_trainer_on_a_live_run_exits_2_and_the_first_finishes(tmp_path, monkeypatch, capsys):
+    from mode.cli import main
+
+    d = tmp_path / "run"
+    run = [*TINY, "train.max_steps=1000", "train.eval_every=0", "train.log_every=100", "checkpoint.every=500"]
+    first = _popen(["train", "--config", CFG, *run, f"run.dir={d}"])
+    try:
+        _wait_for(lambda: (d / "tb").is_dir() or first.poll() is not None, what="the first trainer")
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        monkeypatch.chdir(ROOT)
+        rc = main(["train", "--config", CFG, *run, f"run.dir={d}"])  # the second writer: the real CLI, in-process
+        was_running = first.poll() is None
+        out, err = first.communicate(timeout=900)
+    finally:
+        _stop(first)
+    lines = one_line(capsys.readouterr().err)
+    assert was_running, "the first trainer finished before the second started: make it longer"
+    assert rc == 2 and len(lines) == 1, lines
+    assert f"in use by pid {first.pid} on " in lines[0] and "cli.py train --config" in lines[0], lines
+    assert first.returncode == 0 and (d / "DONE").exists(), err[-3000:]
+    assert sorted(scalars(d, "train/loss")) == list(range(100, 1001, 100))
+
+
+@pytest.mark.slow
+def test_second_compare_refused_and_sigterm_stops_the_trainer(tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"name: lock\nruns_dir: {tmp_path / 'runs'}\nseeds: [0]\n"
+                   f"overrides: {json.dumps(LONG)}\nvariants:\n  dense: {{config: {ROOT / CFG}}}\n")
+    run = tmp_path / "runs" / "dense_seed0"
+    first = _popen(["compare", exp])
+    try:
+        _wait_for(lambda: _holder(run).get("pid") or first.poll() is not None, what="the trainer's lock")
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        trainer = _holder(run)["pid"]
+        r = mode_cli("compare", exp, check=False)
+        lines = one_line(r.stderr)
+        assert r.returncode == 2 and len(lines) == 1 and f"in use by pid {first.pid}" in lines[0], r.stderr
+        assert _alive(trainer)
+
+        os.kill(first.pid, signal.SIGTERM)  # to compare only, not its group
+        t0 = time.monotonic()
+        rc = first.wait(timeout=60)
+        _wait_for(lambda: not _alive(trainer), timeout=30, what="the trainer to exit")
+        dt = time.monotonic() - t0
+    finally:
+        _stop(first)
+    print(f"\nSIGTERM to compare -> compare and its trainer gone in {dt:.1f}s")
+    assert rc == 128 + signal.SIGTERM and dt < 10, (rc, dt)
+    assert _holder(run) == {} or not _alive(_holder(run)["pid"])
+    from mode.rundir import check_lock
+
+    check_lock(run)  # free: the next compare may resume it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["deepspeed.launcher.launch", "deepspeed.launcher.runner"])
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path, victim):
+    from tests.test_launch import processes_mentioning, rank_pid
+
+    d = tmp_path / "run"
+    cmd = [PY, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", "/dev/null/none", "--num_gpus", "2",
+           "--master_port", str(free_port()), "--module", "mode.train", "--config", CFG, *LONG,
+           "train.micro_batch_size=2", f"run.dir={d}"]
+    log = open(tmp_path / "ds.log", "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env(1), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(lambda: (d / "tb").is_dir() or p.poll() is not None, timeout=300, what="training to start")
+        assert p.poll() is None, (tmp_path / "ds.log").read_text()[-3000:]
+        ranks = [rank_pid(r, f"run.dir={d}") for r in (0, 1)]
+        assert None not in ranks, processes_mentioning(str(d))
+        target = p.pid if victim.endswith("runner") else \
+            [pid for pid, c in processes_mentioning(f"run.dir={d}") if victim in c][0]
+        os.kill(target, signal.SIGKILL)
+        t0 = time.monotonic()
+        _wait_for(lambda: not any(_alive(r) for r in ranks), timeout=30, what="the ranks to exit")
+        dt = time.monotonic() - t0
+    finally:
+        _stop(p)
+        for pid, _ in processes_mentioning(f"run.dir={d}"):
+            os.kill(pid, signal.SIGKILL)
+    print(f"\nSIGKILL of {victim} -> both ranks gone in {dt:.1f}s")
+    assert dt < 10, dt
+
+
+# ----------------------------------------------------------------------------------------------
+# Disk full and read-only, on real (tmpfs) file systems: needs mount rights (root), else skipped.
+
+
+def _mount_tmpfs(path: Path, opts: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_at_a_checkpoint_is_one_line_naming_the_cause(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=300k")  # config, TensorBoard files fit; the first checkpoint does not
+    try:
+        r = mode_cli("train", "--config", CFG, *TINY, "train.max_steps=4", "train.eval_every=0",
+                     "checkpoint.every=2", f"run.dir={disk / 'run'}", check=False)
+        lines = one_line(r.stderr)
+        leftovers = sorted(p.name for p in (disk / "run" / "checkpoints").iterdir())
+    finally:
+        _umount(disk)
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: cannot write checkpoint") and "no space left on device" in lines[0], lines
+    assert leftovers == []  # the partial save was removed, giving the space back
+
+
+@pytest.mark.slow
+def test_read_only_checkpoints_are_refused_before_any_step(tmp_path):
+    d = tmp_path / "run"
+    (d / "tb").mkdir(parents=True)
+    _mount_tmpfs(d / "checkpoints", "ro,size=1m")
+    try:
+        r = mode_cli("train", "--config", CFG, *TINY, "train.max_steps=4", f"run.dir={d}", check=False)
+    finally:
+        _umount(d / "checkpoints")
+    lines = one_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], r.stderr[-3000:]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoints", "tb"]  # nothing written
