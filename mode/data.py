@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mode.config import Config, ConfigError, DataConfig
-from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, prepare, prepared_path,  # noqa: F401
-                          read_manifest, check_manifest, stdlib_files)
+from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, prepare,  # noqa: F401
+                          read_manifest, stdlib_files)
 
 _M64 = (1 << 64) - 1
 
@@ -102,9 +102,10 @@ class TokenSplit:
             m._mmap.madvise(mmap.MADV_DONTNEED)
 
 
-def open_prepared(cfg: DataConfig, prepare_if_missing: bool = True):
-    """(directory, manifest) of the prepared data for `cfg`, checked against the config."""
-    path = prepare(cfg) if prepare_if_missing else prepared_path(cfg)
+def open_prepared(cfg: DataConfig, progress: bool = False):
+    """(directory, manifest) of the prepared data for `cfg` (prepared now if missing), checked
+    against the config."""
+    path = prepare(cfg, progress=progress)
     manifest = read_manifest(path)
     if manifest is None:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
@@ -120,7 +121,7 @@ def check_data(cfg: Config) -> Path:
     tok = build_tokenizer(cfg.data)
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
-    path, manifest = open_prepared(cfg.data)
+    path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)
     S = cfg.data.seq_len
     for split in ("train", "val"):
         n = manifest["splits"][split]["tokens"]

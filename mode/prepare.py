@@ -233,8 +233,11 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     """(an iterator of document strings, its description, the local files read) for `source` or
     `val_source`; every check that can fail runs here, before a worker starts."""
     import datasets
+    import huggingface_hub
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()  # retries and warnings would break the one-line error
+    huggingface_hub.utils.logging.set_verbosity_error()
     key = "data.source" if which == "source" else "data.val_source"
     spec = getattr(cfg, which)
     hub_split = cfg.hub_split
@@ -533,15 +536,16 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     train, val = ShardWriter(tmp, "train", dtype), ShardWriter(tmp, "val", dtype)
     workers = cfg.num_workers or os.cpu_count() or 1
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(desc=f"prepare {tmp.name.removesuffix('.tmp')}", unit="tok", unit_scale=True,
-                   dynamic_ncols=True, file=sys.stderr)
     dup = 0
     with encoder(tok, workers) as encode:
         def stream(it):
+            nonlocal bar
             for r in encode(it):
+                if progress and bar is None:  # opened at the first batch: a bad source prints only its error
+                    from tqdm import tqdm
+
+                    bar = tqdm(desc=f"prepare {tmp.name.removesuffix('.tmp')}", unit="tok", unit_scale=True,
+                               dynamic_ncols=True, file=sys.stderr)
                 if bar is not None:
                     bar.update(len(r[0]))
                 yield r
