@@ -13,6 +13,7 @@ global batch is the same whatever the world size, and resume continues exactly.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from pathlib import Path
@@ -27,79 +28,84 @@ from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_man
 _M64 = (1 << 64) - 1
 
 
-def _hash64(x: np.ndarray, key: int) -> np.ndarray:
-    """splitmix64 of x ^ key (uint64, wrapping)."""
-    with np.errstate(over="ignore"):
-        z = x ^ np.uint64(key & _M64)
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=64)
+def _feistel(n: int, seed: int):
+    half = max(1, math.ceil((n - 1).bit_length() / 2))
+    mask = (1 << half) - 1
+    keys = [_mix64((seed & _M64) ^ _mix64(r + 1)) for r in range(4)]
+
+    def once(x: int) -> int:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << half) | right
+
+    return once
 
 
 def permute(idx, n: int, seed: int) -> np.ndarray:
     """A permutation of [0, n) evaluated at `idx`: a 4-round Feistel network on the smallest
-    even-bit domain >= n, with cycle walking back into [0, n)."""
-    idx = np.asarray(idx, dtype=np.uint64)
+    even-bit domain >= n, with cycle walking back into [0, n) (the domain is < 4n: a few steps)."""
     if n <= 1:
-        return np.zeros_like(idx, dtype=np.int64)
-    half = max(1, math.ceil((n - 1).bit_length() / 2))
-    mask = np.uint64((1 << half) - 1)
-    keys = [int(_hash64(np.array([seed * 4 + r], dtype=np.uint64), 0x5EED)[0]) for r in range(4)]
-
-    def once(x):
-        left, right = x >> np.uint64(half), x & mask
-        for k in keys:
-            left, right = right, left ^ (_hash64(right, k) & mask)
-        return (left << np.uint64(half)) | right
-
-    out = once(idx)
-    bad = out >= np.uint64(n)
-    while bad.any():  # the domain is < 4n, so a few rounds at most on average
-        out[bad] = once(out[bad])
-        bad = out >= np.uint64(n)
-    return out.astype(np.int64)
+        return np.zeros(len(idx), dtype=np.int64)
+    once = _feistel(n, seed)
+    out = []
+    for i in np.asarray(idx, dtype=np.int64).tolist():
+        x = once(i)
+        while x >= n:
+            x = once(x)
+        out.append(x)
+    return np.array(out, dtype=np.int64)
 
 
 class TokenSplit:
     """One split's shards as a single token stream, read through np.memmap."""
 
-    RELEASE_EVERY = 4096  # reads between dropping mapped pages (file pages would count as RSS)
-
     def __init__(self, root: Path, meta: dict, dtype: str):
-        self.maps = [np.memmap(root / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
-        for m in self.maps:
+        self.memmaps = [np.memmap(root / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
+        for m in self.memmaps:
             m._mmap.madvise(mmap.MADV_RANDOM)  # windows are read in random order: no readahead
+        self.maps = [m.view(np.ndarray) for m in self.memmaps]  # plain views: slicing skips memmap's bookkeeping
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
         self.n_tokens = int(self.starts[-1])
         self.n_bytes, self.n_documents = meta["bytes"], meta["documents"]
-        self._reads = 0
 
     def n_windows(self, seq_len: int) -> int:
         return max(0, (self.n_tokens - 1) // seq_len)
 
-    def read(self, start: int, length: int) -> np.ndarray:
+    def read(self, start: int, length: int, touched: set | None = None) -> np.ndarray:
         """Tokens [start, start + length) of the stream (crossing shards if needed)."""
         s = int(np.searchsorted(self.starts, start, side="right")) - 1
         off = start - int(self.starts[s])
         part = self.maps[s][off:off + length]
+        if touched is not None:
+            touched.add(s)
         while len(part) < length:  # the window continues in the next shard
             s += 1
             part = np.concatenate([part, self.maps[s][:length - len(part)]])
+            if touched is not None:
+                touched.add(s)
         return part
 
     def windows(self, rows, seq_len: int) -> torch.Tensor:
         """[B, S + 1] int64 windows `rows` (window w starts at token w * seq_len)."""
-        out = np.stack([self.read(int(w) * seq_len, seq_len + 1) for w in rows]).astype(np.int64)
-        self._reads += 1
-        if self._reads % self.RELEASE_EVERY == 0:
-            self.release()
+        out = np.empty((len(rows), seq_len + 1), dtype=np.int64)
+        touched = set()
+        for j, w in enumerate(rows):
+            out[j] = self.read(int(w) * seq_len, seq_len + 1, touched)
+        for s in touched:
+            # The kernel maps whole page-cache folios (up to MBs) on a fault; they would stay in this
+            # process's RSS. Unmapping after the copy keeps RSS flat (the pages stay in the page cache).
+            self.memmaps[s]._mmap.madvise(mmap.MADV_DONTNEED)
         return torch.from_numpy(out)
-
-    def release(self) -> None:
-        """Drop this process's mapped pages (they stay in the page cache): RSS stays flat."""
-        for m in self.maps:
-            m._mmap.madvise(mmap.MADV_DONTNEED)
 
 
 def open_prepared(cfg: DataConfig, progress: bool = False):
