@@ -240,6 +240,28 @@ def test_leftovers_of_a_killed_prepare_are_replaced(corpus, tmp_path):
         prep._remove_ours(out.parent / "x.tmp")
 
 
+def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, monkeypatch):
+    """Every rank calls prepare at start-up: the lock lets one build, the others get its result."""
+    import threading
+
+    calls, real = [], prep._write_shards
+
+    def counted(*a, **kw):
+        calls.append(1)
+        time.sleep(0.5)  # the others arrive while it works
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prep, "_write_shards", counted)
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(prep.prepare(cfg, progress=False))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(out) == 3 and len(set(out)) == 1 and prep.read_manifest(out[0])
+
+
 def test_embedded_default_corpus_exists(tmp_path):
     files = stdlib_files()
     assert len(files) > 50 and any(f.endswith("os.py") for f in files)
@@ -325,6 +347,10 @@ def test_corrected_command_runs_without_fresh_and_bpb_matches_a_hand_computation
             for row in y.tolist():  # each target token's text, EOS contributes none
                 text += b"".join(tok.decode([t]).encode() for t in row if t != tok.eos_id)
     assert text and bpb == pytest.approx(nats / math.log(2) / len(text), rel=1e-4)
+    # the report shows it beside the eval loss
+    mode_cli("analyze", tmp_path / "run", "--out", tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "eval bits/byte" in report and f"{bpb:.4f}" in report
 
 
 @pytest.mark.slow
