@@ -219,6 +219,8 @@ class DataConfig:
     """Where tokenized shards live (`mode data prepare`); one subdirectory per data config, shared by every run that uses it."""
     num_workers: int = 0
     """Tokenizer processes of the prepare step; 0 = the machine's cores."""
+    shard_tokens: int = 268435456
+    """Tokens per shard file of the prepare step (a shard ends at the first document boundary past it); a killed prepare resumes after its last complete shard."""
 
     def validate(self) -> None:
         _check(self.format in ("auto", "text", "json", "parquet"), "data.format", self.format,
@@ -229,6 +231,7 @@ class DataConfig:
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "in (0, 1)")
         _check(self.max_documents >= 0, "data.max_documents", self.max_documents, ">= 0")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 (0 = the machine's cores)")
+        _check(self.shard_tokens >= 1, "data.shard_tokens", self.shard_tokens, ">= 1")
         _check(bool(self.prepared_dir), "data.prepared_dir", self.prepared_dir, "a directory path")
         for key, src in (("data.source", self.source), ("data.val_source", self.val_source)):
             if src and src != "stdlib" and looks_local(src):

@@ -37,7 +37,6 @@ from mode.config import ConfigError, DataConfig, looks_local
 MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
 FORMAT = "mode-prepared-v1"
-SHARD_TOKENS = 1 << 28  # a shard closes at the first document boundary past this many tokens
 EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
               ".jsonl": "json", ".parquet": "parquet"}
 # Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
@@ -332,28 +331,31 @@ def _encode(texts: list[str]):
 
 
 def _batches(docs, max_chars: int = 1 << 20, max_docs: int = 4096):
-    batch, size = [], 0
+    """(batch of non-empty documents, documents read from the source so far, empty ones included)."""
+    batch, size, read = [], 0, 0
     for t in docs:
+        read += 1
         if not t.strip():
             continue  # empty documents (blank lines with sample_by=line) carry no text
         batch.append(t)
         size += len(t)
         if size >= max_chars or len(batch) >= max_docs:
-            yield batch
+            yield batch, read
             batch, size = [], 0
     if batch:
-        yield batch
+        yield batch, read
 
 
 @contextlib.contextmanager
 def encoder(tok, workers: int):
-    """A function mapping an iterator of documents to encoded batches, in order; with several
-    workers, a bounded number of batches is in flight (the reader never runs ahead of memory)."""
+    """A function mapping an iterator of documents to (encoded batch, documents read), in order;
+    with several workers, a bounded number of batches is in flight (the reader never runs ahead
+    of memory)."""
     if workers <= 1:
         old = os.environ.get("TOKENIZERS_PARALLELISM")
         _init_worker(tok.spec())
         try:
-            yield lambda docs: map(_encode, _batches(docs))
+            yield lambda docs: ((_encode(b), read) for b, read in _batches(docs))
         finally:
             os.environ.pop("TOKENIZERS_PARALLELISM") if old is None else os.environ.update(TOKENIZERS_PARALLELISM=old)
         return
@@ -362,12 +364,14 @@ def encoder(tok, workers: int):
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
         def run(docs):
             pending = deque()
-            for b in _batches(docs):
-                pending.append(pool.apply_async(_encode, (b,)))
+            for b, read in _batches(docs):
+                pending.append((pool.apply_async(_encode, (b,)), read))
                 if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
+                    r, read = pending.popleft()
+                    yield r.get(), read
             while pending:
-                yield pending.popleft().get()
+                r, read = pending.popleft()
+                yield r.get(), read
 
         yield run
 
@@ -375,9 +379,12 @@ def encoder(tok, workers: int):
 class ShardWriter:
     """Appends documents' tokens to `<split>_NNNNN.bin`; a shard ends at a document boundary."""
 
-    def __init__(self, root: Path, split: str, dtype):
-        self.root, self.split, self.dtype = root, split, np.dtype(dtype)
+    def __init__(self, root: Path, split: str, dtype, shard_tokens: int, state: dict | None = None):
+        self.root, self.split, self.dtype, self.shard_tokens = root, split, np.dtype(dtype), shard_tokens
         self.shards, self.tokens, self.documents, self.bytes = [], 0, 0, 0
+        if state:  # resuming: the shards listed in the progress file are complete
+            self.shards, self.tokens, self.documents, self.bytes = (state[k] for k in ("shards", "tokens",
+                                                                                       "documents", "bytes"))
         self._f, self._ends = None, []
 
     def add(self, flat, lens, nbytes) -> None:
@@ -392,7 +399,7 @@ class ShardWriter:
         self.tokens += int(lens.sum())
         self.documents += len(lens)
         self.bytes += int(np.sum(nbytes))
-        if self._n >= SHARD_TOKENS:
+        if self._n >= self.shard_tokens:
             self.close()
 
     def close(self) -> None:
@@ -504,9 +511,9 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
             raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                               f"a directory mode can manage; {out} exists without a manifest: move it away")
         tmp = out.parent / f"{out.name}.tmp"
-        if tmp.exists():  # a killed prepare's leftovers: start over
-            _remove_ours(tmp)
-        tmp.mkdir()
+        if tmp.exists() and not (tmp / MARKER).is_file():
+            _remove_ours(tmp)  # refuses: not ours
+        tmp.mkdir(exist_ok=True)  # a killed prepare's leftovers are resumed (or cleared) by _write_shards
         (tmp / MARKER).write_text(f"pid {os.getpid()}\n")
         try:
             manifest = _write_shards(cfg, tok, tmp, progress)
@@ -516,14 +523,18 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
                 os.fsync(fh.fileno())
             (tmp / MARKER).unlink()
             os.rename(tmp, out)  # atomic: the directory appears complete or not at all
-        except BaseException:
-            if tmp.exists() and (tmp / MARKER).exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        except ConfigError:
+            shutil.rmtree(tmp, ignore_errors=True)  # bad input: nothing worth resuming
             raise
     return out
 
 
+PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
+
+
 def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
+    """Tokenize into `tmp`. Whenever a shard completes, both splits' open shards are closed and
+    progress.json records them with the source position, so a killed prepare resumes there."""
     t0 = time.perf_counter()
     val_docs = None
     if cfg.val_source:
@@ -533,14 +544,30 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
         val_desc, val_files, exclude = None, [], ()
     docs, desc, files = open_documents(cfg, "source", exclude)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    train, val = ShardWriter(tmp, "train", dtype), ShardWriter(tmp, "val", dtype)
+    key = {"data": data_keys(cfg), "tokenizer": tok.identity, "fingerprint": fingerprint(files + val_files)}
+    st = _resume_state(tmp, key)
+    train = ShardWriter(tmp, "train", dtype, cfg.shard_tokens, st and st["train"])
+    val = ShardWriter(tmp, "val", dtype, cfg.shard_tokens, st and st["val"])
+    phase, read, n, dup = (st["phase"], st["read"], st["n"], st["dup"]) if st else (
+        "val" if val_docs is not None else "train", 0, 0, 0)
+    seen = set(np.load(tmp / "val_hashes.npy").tolist()) if st and (tmp / "val_hashes.npy").is_file() else set()
     workers = cfg.num_workers or os.cpu_count() or 1
     bar = None
-    dup = 0
+
+    def checkpoint(phase, read):
+        train.close()
+        val.close()
+        f = tmp / (PROGRESS + ".new")
+        f.write_text(json.dumps({**key, "phase": phase, "read": read, "n": n, "dup": dup,
+                                 "train": train.summary(), "val": val.summary()}))
+        os.replace(f, tmp / PROGRESS)
+
     with encoder(tok, workers) as encode:
-        def stream(it):
+        def stream(it, skip):
             nonlocal bar
-            for r in encode(it):
+            import itertools
+
+            for (r, done) in encode(itertools.islice(it, skip, None)):
                 if progress and bar is None:  # opened at the first batch: a bad source prints only its error
                     from tqdm import tqdm
 
@@ -548,20 +575,25 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
                                dynamic_ncols=True, file=sys.stderr)
                 if bar is not None:
                     bar.update(len(r[0]))
+                shards = len(train.shards) + len(val.shards)
                 yield r
+                if len(train.shards) + len(val.shards) > shards:
+                    checkpoint(phase, skip + done)
 
-        if val_docs is not None:
-            seen = set()
-            for flat, lens, hashes, nbytes in stream(val_docs):
+        if phase == "val":
+            for flat, lens, hashes, nbytes in stream(val_docs, read):
                 val.add(flat, lens, nbytes)
                 seen.update(hashes.tolist())
-            for flat, lens, hashes, nbytes in stream(docs):
+            np.save(tmp / "val_hashes.npy", np.array(sorted(seen), dtype=np.uint64))
+            phase, read = "train", 0
+            checkpoint(phase, read)
+        if val_docs is not None:
+            for flat, lens, hashes, nbytes in stream(docs, read):
                 keep = np.array([h not in seen for h in hashes.tolist()], dtype=bool)
                 dup += int((~keep).sum())
                 _split_add(train, flat, lens, keep, nbytes)
         else:
-            n = 0
-            for flat, lens, hashes, nbytes in stream(docs):
+            for flat, lens, hashes, nbytes in stream(docs, read):
                 is_val = val_mask(n, len(lens), cfg.val_fraction, cfg.split_seed)
                 n += len(lens)
                 _split_add(val, flat, lens, is_val, nbytes)
@@ -577,14 +609,32 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             raise ConfigError("data.val_source", cfg.val_source, "a source with at least one non-empty document")
         raise ConfigError("data.val_fraction", cfg.val_fraction, f"a fraction that holds out at least one of the "
                           f"{train.documents} documents (or set data.val_source)")
+    for f in (PROGRESS, "val_hashes.npy"):
+        (tmp / f).unlink(missing_ok=True)
     dt = time.perf_counter() - t0
     return {"format": FORMAT, "created_by": "mode data prepare", "tokenizer": tok.identity,
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name,
             "source": desc, "val_source": val_desc, "data": data_keys(cfg),
             "splits": {"train": train.summary(), "val": val.summary()},
             "train_documents_dropped_as_validation_duplicates": dup,
-            "fingerprint": fingerprint(files + val_files), "seconds": round(dt, 3),
+            "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
             "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+
+
+def _resume_state(tmp: Path, key: dict) -> dict | None:
+    """The progress of a killed prepare of the same data into `tmp`, with every file it did not
+    complete removed; None (and an empty `tmp`) when there is nothing to resume."""
+    f = tmp / PROGRESS
+    st = json.loads(f.read_text()) if f.is_file() else None
+    if st is not None and any(st.get(k) != v for k, v in key.items()):
+        st = None  # another config or changed source files: start over
+    keep = {MARKER, PROGRESS} | ({"val_hashes.npy"} if st and st["phase"] == "train" else set())
+    if st:
+        keep |= {x[k] for sp in ("train", "val") for x in st[sp]["shards"] for k in ("file", "docs")}
+    for p in tmp.iterdir():
+        if p.name not in keep:
+            p.unlink()
+    return st
 
 
 def _split_add(w: ShardWriter, flat, lens, keep, nbytes) -> None:

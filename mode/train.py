@@ -29,7 +29,8 @@ from mode.model import build_model
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
-                  "model.moe.ep_size", "model.moe.backend", "data.num_workers", "data.prepared_dir")
+                  "model.moe.ep_size", "model.moe.backend", "data.num_workers", "data.prepared_dir",
+                  "data.shard_tokens")
 
 
 class NonFiniteError(RuntimeError):

@@ -108,9 +108,9 @@ def test_each_epoch_reads_every_window_once_in_a_new_order(corpus, tmp_path):
 
 def test_windows_crossing_shards_equal_one_stream(corpus, tmp_path, monkeypatch):
     one = DataModule(dcfg(tmp_path / "a", source=str(corpus / "docs.parquet")))
-    monkeypatch.setattr(prep, "SHARD_TOKENS", 50)
-    monkeypatch.setattr(prep, "_batches", lambda docs: ([d] for d in docs if d.strip()))  # a shard per ~doc
-    many = DataModule(dcfg(tmp_path / "b", source=str(corpus / "docs.parquet")))
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=1))  # a shard per ~document
+    many = DataModule(dcfg(tmp_path / "b", source=str(corpus / "docs.parquet"), shard_tokens=50))
     assert len(many.train.maps) > 10 and many.n_train == one.n_train
     rows = list(range(one.n_train))
     assert torch.equal(many.train.windows(rows, 8), one.train.windows(rows, 8))
@@ -240,6 +240,39 @@ def test_leftovers_of_a_killed_prepare_are_replaced(corpus, tmp_path):
         prep._remove_ours(out.parent / "x.tmp")
 
 
+@pytest.mark.parametrize("val", ["fraction", "val_source"])
+def test_interrupted_prepare_resumes_after_its_last_complete_shard(corpus, tmp_path, monkeypatch, val):
+    extra = {"val_source": str(corpus / "txt" / "0[0-4].txt")} if val == "val_source" else {}
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=2))
+    clean = prep.prepare(dcfg(tmp_path / "clean", source=str(corpus / "txt"), shard_tokens=100, **extra),
+                         progress=False)
+    cfg = dcfg(tmp_path / "p", source=str(corpus / "txt"), shard_tokens=100, **extra)
+    add, calls = prep.ShardWriter.add, []
+
+    def dies(self, *a):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt  # killed mid-way
+        return add(self, *a)
+
+    monkeypatch.setattr(prep.ShardWriter, "add", dies)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(cfg, progress=False)
+    monkeypatch.setattr(prep.ShardWriter, "add", add)
+    out = prep.prepared_path(cfg)
+    tmp = out.parent / f"{out.name}.tmp"
+    progress = json.loads((tmp / "progress.json").read_text())
+    assert not out.exists() and progress["train"]["shards"] and progress["read"] > 0
+    first = (tmp / "train_00000.bin").stat().st_ino
+    assert prep.prepare(cfg, progress=False) == out and not tmp.exists()
+    m, mc = prep.read_manifest(out), prep.read_manifest(clean)
+    assert m["resumed"] and m["splits"] == mc["splits"] and (out / "train_00000.bin").stat().st_ino == first
+    for f in sorted(clean.glob("*.bin")) + sorted(clean.glob("*.npy")):
+        assert f.read_bytes() == (out / f.name).read_bytes(), f.name
+    assert not (set(documents(out, "train")) & set(documents(out, "val")))
+
+
 def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, monkeypatch):
     """Every rank calls prepare at start-up: the lock lets one build, the others get its result."""
     import threading
@@ -356,7 +389,8 @@ def test_corrected_command_runs_without_fresh_and_bpb_matches_a_hand_computation
 @pytest.mark.slow
 def test_killed_prepare_restarts_cleanly(tmp_path):
     """SIGKILL `mode data prepare` while it writes shards: no manifest points at a partial shard,
-    and the next prepare builds exactly what an uninterrupted one does."""
+    the next prepare resumes after the last complete shard (keeping it) and builds exactly what
+    an uninterrupted one does."""
     d = tmp_path / "big"
     d.mkdir()
     rng = np.random.default_rng(0)
@@ -364,17 +398,19 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
     for i in range(40):
         (d / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 150_000)))
     args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
-            f"data.prepared_dir={tmp_path / 'p'}"]
+            "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
     p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00000.bin")):
-        time.sleep(0.05)
-    time.sleep(0.3)
-    os.killpg(p.pid, signal.SIGKILL)  # the CLI and its tokenizer workers
+    while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00001.bin")):
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGKILL)  # the CLI and its tokenizer workers, mid-way through shard 1
     p.wait()
     assert not any((tmp_path / "p").glob("*/manifest.json")), "a killed prepare must not publish a manifest"
-    assert any((tmp_path / "p").glob("*.tmp")), "the kill came too late to test anything"
+    (tmp,) = (tmp_path / "p").glob("*.tmp")
+    done = json.loads((tmp / "progress.json").read_text())["train"]["shards"]
+    assert done, "the kill came too late to test a resume"
+    kept = {s["file"]: (tmp / s["file"]).stat().st_ino for s in done}
     mode_cli(*args)
     mode_cli(*args[:-1], f"data.prepared_dir={tmp_path / 'clean'}")
     (a,), (b,) = (tmp_path / "p").glob("*/manifest.json"), (tmp_path / "clean").glob("*/manifest.json")
@@ -383,3 +419,5 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
         assert f.read_bytes() == (b.parent / f.name).read_bytes(), f.name
     ma, mb = json.loads(a.read_text()), json.loads(b.read_text())
     assert ma["splits"] == mb["splits"] and ma["splits"]["train"]["tokens"] > 5_000_000
+    assert ma["resumed"] and not mb["resumed"]
+    assert {f: (a.parent / f).stat().st_ino for f in kept} == kept  # complete shards were kept, not rewritten
