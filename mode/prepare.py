@@ -245,6 +245,10 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
             raise ConfigError(key, spec, "an existing file, directory or glob (a split name needs a hub data.source)")
         spec, hub_split = cfg.source, cfg.val_source
     files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
+    held = [f for f in files if Path(f).stem.lower() in ("validation", "valid", "val", "dev", "test")]
+    if which == "source" and not cfg.val_source and held and spec != "stdlib":
+        print(f"warning: data.source={spec} includes {held[0]}, read as training documents like every file; "
+              f"set data.val_source={held[0]} to make it the validation set", file=sys.stderr)
     if looks_local(spec) or spec == "stdlib":
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
