@@ -187,6 +187,7 @@ def main() -> int:
     p.add_argument("--old-mb", type=float, default=100, help="corpus for the in-RAM path comparison (MB)")
     p.add_argument("--batches", type=int, default=20000)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--parts", default="byte,bpe,loader,old", help="which of byte,bpe,loader,old to run")
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench_data_"))
     global HF_CACHE
@@ -201,9 +202,13 @@ def main() -> int:
         bpe_corpus = corpus
         if a.bpe_mb < a.mb:
             bpe_corpus = work / "corpus_bpe"
-            build_corpus(bpe_corpus, a.bpe_mb)
+            size, n = build_corpus(bpe_corpus, a.bpe_mb)
+            print(f"   (BPE on the first {size / 1e6:.0f} MB, {n} files)", flush=True)
         rows = []
-        for tok, src in (("byte", corpus), (str(work / "bpe"), bpe_corpus)):
+        parts = a.parts.split(",")
+        toks = [(t, s) for t, s, part in (("byte", corpus, "byte"), (str(work / "bpe"), bpe_corpus, "bpe"))
+                if part in parts]
+        for tok, src in toks:
             name = "byte" if tok == "byte" else "BPE 8192 (byte-level, trained here)"
             res = {}
             for w in (1, 2):
@@ -218,6 +223,8 @@ def main() -> int:
 
         # 2. the memmap loader over >= 2e9 tokens
         B, S = 8, 2048
+        if "loader" not in parts:
+            return 0
         syn = work / "synthetic"
         syn.mkdir()
         t = time.perf_counter()
@@ -230,6 +237,8 @@ def main() -> int:
         shutil.rmtree(syn)
 
         # 3. the in-RAM path beside the memmap path, on the same corpus
+        if "old" not in parts:
+            return 0
         old = work / "old"
         old.mkdir()
         code = subprocess.run(["git", "show", f"{OLD_REV}:mode/data.py"], cwd=ROOT, capture_output=True, text=True,
