@@ -195,31 +195,32 @@ def main() -> int:
     print(f"machine: {machine()}", flush=True)
     try:
         # 1. prepare throughput
-        corpus = work / "corpus"
-        size, n = build_corpus(corpus, a.mb)
-        print(f"\n## prepare: {size / 1e6:.0f} MB of Python sources, {n} files (one document each)", flush=True)
-        train_bpe(corpus, work / "bpe")
-        bpe_corpus = corpus
-        if a.bpe_mb < a.mb:
-            bpe_corpus = work / "corpus_bpe"
-            size, n = build_corpus(bpe_corpus, a.bpe_mb)
-            print(f"   (BPE on the first {size / 1e6:.0f} MB, {n} files)", flush=True)
-        rows = []
         parts = a.parts.split(",")
-        toks = [(t, s) for t, s, part in (("byte", corpus, "byte"), (str(work / "bpe"), bpe_corpus, "bpe"))
-                if part in parts]
-        for tok, src in toks:
-            name = "byte" if tok == "byte" else "BPE 8192 (byte-level, trained here)"
-            res = {}
-            for w in (1, 2):
-                r = run_json(PREPARE, src, tok, w, work / f"prep_{w}_{Path(tok).name}")
-                res[w] = r
-                print(f"  {name:38s} workers={w}: {r['tokens_per_s']:>12,.0f} tokens/s  {r['mb_per_s']:6.1f} MB/s "
-                      f"({r['tokens']:,} tokens, {r['bytes'] / 1e6:.0f} MB in {r['seconds']:.1f} s)", flush=True)
-                shutil.rmtree(Path(r["path"]))
-            rows.append((name, res))
-            print(f"  {name:38s} 2 workers / 1 worker: {res[2]['tokens_per_s'] / res[1]['tokens_per_s']:.2f}x",
-                  flush=True)
+        if "byte" in parts or "bpe" in parts:
+            corpus = work / "corpus"
+            size, n = build_corpus(corpus, a.mb)
+            print(f"\n## prepare: {size / 1e6:.0f} MB of Python sources, {n} files (one document each)", flush=True)
+            train_bpe(corpus, work / "bpe")
+            bpe_corpus = corpus
+            if a.bpe_mb < a.mb:
+                bpe_corpus = work / "corpus_bpe"
+                size, n = build_corpus(bpe_corpus, a.bpe_mb)
+                print(f"   (BPE on the first {size / 1e6:.0f} MB, {n} files)", flush=True)
+            rows = []
+            toks = [(t, s) for t, s, part in (("byte", corpus, "byte"), (str(work / "bpe"), bpe_corpus, "bpe"))
+                    if part in parts]
+            for tok, src in toks:
+                name = "byte" if tok == "byte" else "BPE 8192 (byte-level, trained here)"
+                res = {}
+                for w in (1, 2):
+                    r = run_json(PREPARE, src, tok, w, work / f"prep_{w}_{Path(tok).name}")
+                    res[w] = r
+                    print(f"  {name:38s} workers={w}: {r['tokens_per_s']:>12,.0f} tokens/s  {r['mb_per_s']:6.1f} MB/s "
+                          f"({r['tokens']:,} tokens, {r['bytes'] / 1e6:.0f} MB in {r['seconds']:.1f} s)", flush=True)
+                    shutil.rmtree(Path(r["path"]))
+                rows.append((name, res))
+                print(f"  {name:38s} 2 workers / 1 worker: {res[2]['tokens_per_s'] / res[1]['tokens_per_s']:.2f}x",
+                      flush=True)
 
         # 2. the memmap loader over >= 2e9 tokens
         B, S = 8, 2048
