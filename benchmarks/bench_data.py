@@ -190,6 +190,7 @@ def main() -> int:
     p.add_argument("--parts", default="byte,bpe,loader,old", help="which of byte,bpe,loader,old to run")
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench_data_"))
+    work.mkdir(parents=True, exist_ok=True)
     global HF_CACHE
     HF_CACHE = str(work / "hf_datasets_cache")
     print(f"machine: {machine()}", flush=True)
