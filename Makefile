@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mod.py
 	$(PY) benchmarks/bench_moe.py
+	$(PY) benchmarks/bench_data.py
 
 clean:
 	rm -rf .venv runs

@@ -89,6 +89,8 @@ def _rate(x: float) -> str:
 
 METRICS: list[Metric] = [
     Metric("eval_loss", "eval loss", lambda r: r.last("eval/loss"), lambda x: f"{x:.4f}"),
+    # bits per UTF-8 byte of the evaluated text: compares runs with different tokenizers
+    Metric("eval_bpb", "eval bits/byte", lambda r: r.last("eval/bpb"), lambda x: f"{x:.4f}"),
     Metric("eval_loss_causal", "eval loss (causal routing)", lambda r: r.last("eval/loss_causal"),
            lambda x: f"{x:.4f}"),
     Metric("causal_gap", "causal − top-k", causal_gap, lambda x: f"{x:+.4f}"),

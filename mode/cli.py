@@ -1,4 +1,4 @@
-"""`mode train | compare | generate | flops | analyze`.
+"""`mode train | compare | generate | flops | analyze | data prepare`.
 
 Config errors print one `config error:` line and exit 2 before any worker process starts; runtime
 faults print one `error:` line naming the cause (exit 1). `--debug` shows tracebacks instead.
@@ -78,13 +78,39 @@ def _compare(argv) -> int:
     return main(argv)
 
 
+def _data(argv) -> int:
+    if not argv or argv[0] != "prepare":
+        print("usage: mode data prepare --config F [--force] [dotted.key=value ...]", file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
+                                "memory-mapped shards under data.prepared_dir (training then only reads them).")
+    p.add_argument("--config", required=True)
+    p.add_argument("--force", action="store_true", help="rebuild a stale prepared directory (only that one)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    a = p.parse_args(argv[1:])
+    from mode.config import load_config
+    from mode.data import check_data
+    from mode.prepare import prepare, read_manifest
+
+    cfg = load_config(a.config, a.overrides)
+    path = prepare(cfg.data, force=a.force, progress=cfg.log.progress)
+    check_data(cfg)  # the config that prepared it can also train on it
+    m = read_manifest(path)
+    sp = m["splits"]
+    print(f"prepared {path}: train {sp['train']['tokens']:,} tokens / {sp['train']['documents']:,} documents, "
+          f"val {sp['val']['tokens']:,} tokens / {sp['val']['documents']:,} documents "
+          f"({m['dtype']}, vocab {m['vocab_size']}, EOS {m['eos_id']}; {m['tokens_per_s']:,} tokens/s)")
+    return 0
+
+
 def _analyze(argv) -> int:
     from analysis.report import main
 
     return main(argv) or 0
 
 
-COMMANDS = {"train": _train, "compare": _compare, "generate": _generate, "flops": _flops, "analyze": _analyze}
+COMMANDS = {"train": _train, "compare": _compare, "generate": _generate, "flops": _flops, "analyze": _analyze,
+            "data": _data}
 
 
 def main(argv=None) -> int:

@@ -218,38 +218,60 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """`stdlib` (the running interpreter's standard-library sources: always on disk), a local file/dir/glob, or a hub dataset name."""
+    """`stdlib` (the running interpreter's standard-library sources: always on disk), a local file/dir/glob, or a hub dataset name (streamed)."""
     format: str = "auto"
     """Local file format: `auto` (from the extension), `text`, `json` (also jsonl) or `parquet`."""
     text_key: str = "text"
     """Column holding the document text (json/parquet/hub)."""
     hub_split: str = "train"
     """Split to read from a hub dataset."""
+    sample_by: str = "document"
+    """How a text file becomes documents (the `datasets` text builder): `document` (a whole file), `paragraph` (blocks separated by a blank line) or `line`."""
+    val_source: str = ""
+    """Validation documents of their own: a local file/dir/glob, or a split name of the hub source (e.g. `validation`); never trained on. Empty = hold out val_fraction of the source's documents."""
     tokenizer: str = "byte"
-    """`byte` (UTF-8 bytes + EOS, no download) or a local directory with a Hugging Face tokenizer."""
+    """`byte` (UTF-8 bytes + EOS, no download), a local directory holding tokenizer.json, a tokenizer.json file, or a hub tokenizer name present in the local Hugging Face cache (offline)."""
+    eos_token: str = ""
+    """End-of-document token (a token string of the tokenizer) when the tokenizer has no recognised one; empty = recognise it."""
     seq_len: int = 128
     """Tokens per training sequence."""
     val_fraction: float = 0.05
-    """Fraction of documents held out for validation (deterministic split)."""
+    """Without val_source: fraction of documents held out for validation (every 1/val_fraction-th document, seeded offset)."""
     max_documents: int = 0
-    """Use at most this many documents (0 = all); keeps CPU runs small."""
+    """Use at most this many documents of each source (0 = all); keeps CPU runs small."""
     split_seed: int = 1234
     """Seed of the train/validation split and of the sampling order (same across variants)."""
+    prepared_dir: str = "data/prepared"
+    """Where tokenized shards live (`mode data prepare`); one subdirectory per data config, shared by every run that uses it."""
+    num_workers: int = 0
+    """Tokenizer processes of the prepare step; 0 = the machine's cores."""
+    shard_tokens: int = 268435456
+    """Tokens per shard file of the prepare step (a shard ends at the first document boundary past it); a killed prepare resumes after its last complete shard."""
 
     def validate(self) -> None:
         _check(self.format in ("auto", "text", "json", "parquet"), "data.format", self.format,
                "auto, text, json or parquet")
+        _check(self.sample_by in ("document", "paragraph", "line"), "data.sample_by", self.sample_by,
+               "document, paragraph or line")
         _check(self.seq_len >= 2, "data.seq_len", self.seq_len, ">= 2")
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "in (0, 1)")
         _check(self.max_documents >= 0, "data.max_documents", self.max_documents, ">= 0")
-        src = self.source
-        looks_local = src.startswith((".", "/", "~")) or os.sep in src and not _is_hub_name(src) or Path(src).suffix
-        if src != "stdlib" and looks_local:
-            import glob
-            _check(bool(glob.glob(os.path.expanduser(src))), "data.source", src, "an existing file, directory or glob")
-        if self.tokenizer != "byte":
-            _check(Path(self.tokenizer).is_dir(), "data.tokenizer", self.tokenizer,
-                   "`byte` or an existing local directory holding a Hugging Face tokenizer")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 (0 = the machine's cores)")
+        _check(self.shard_tokens >= 1, "data.shard_tokens", self.shard_tokens, ">= 1")
+        _check(bool(self.prepared_dir), "data.prepared_dir", self.prepared_dir, "a directory path")
+        for key, src in (("data.source", self.source), ("data.val_source", self.val_source)):
+            if src and src != "stdlib" and looks_local(src):
+                import glob
+                _check(bool(glob.glob(os.path.expanduser(src))), key, src, "an existing file, directory or glob")
+        if self.tokenizer != "byte" and looks_local(self.tokenizer):
+            _check(Path(self.tokenizer).expanduser().exists(), "data.tokenizer", self.tokenizer,
+                   "`byte`, a local directory holding tokenizer.json, a tokenizer.json file, or a cached hub name")
+
+
+def looks_local(s: str) -> bool:
+    """A path or glob (as opposed to a hub name such as `org/name` or a split name)."""
+    return (s.startswith((".", "/", "~")) or any(c in s for c in "*?[") or Path(s).exists()
+            or (not _is_hub_name(s) and (os.sep in s or bool(Path(s).suffix))))
 
 
 def _is_hub_name(s: str) -> bool:

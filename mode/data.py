@@ -1,160 +1,176 @@
-"""Data through `datasets`: load documents, tokenize, pack into fixed-length sequences, and serve
-deterministic, rank-disjoint, resumable batches.
+"""Training and evaluation data: windows read from the prepared token shards (`mode/prepare.py`)
+through np.memmap, and a deterministic, rank-disjoint, resumable sampler.
 
-Shape legend: B micro-batch, S sequence length.
+Shape legend: B micro-batch, S sequence length, V vocabulary.
 
-The sampler is a pure function of (split_seed, global sample index), so the read position is
-one integer (the optimizer step) and resume continues exactly. Global sample g of an epoch maps
-to a permutation of sequences drawn from split_seed + epoch; at step t, micro-step m, rank r
-reads samples [(t*accum + m)*world*B + r*B, ... + B): ranks read disjoint shards, and the
-global batch is the same sequences whatever the world size.
+A split's tokens are one stream (the shards in order); window w is tokens [w*S, w*S + S + 1), so
+consecutive windows overlap by one token and every token after the first is a target once. The
+sampler is a pure function of (split_seed, global sample index): global sample g of epoch e is
+window perm_e(g mod N), where perm_e is a keyed Feistel permutation of [0, N) computed per index
+(no array of N entries: per-rank memory does not grow with the corpus). At step t, micro-step m,
+rank r reads samples [(t*accum + m)*world*B + r*B, ... + B): ranks read disjoint samples, the
+global batch is the same whatever the world size, and resume continues exactly.
 """
 from __future__ import annotations
 
-import glob
-import os
-import sysconfig
-from dataclasses import dataclass
+import functools
+import math
+import mmap
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mode.config import ConfigError, DataConfig
+from mode.config import Config, ConfigError, DataConfig
+from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, prepare,  # noqa: F401
+                          read_manifest, stdlib_files)
 
-EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".json": "json", ".jsonl": "json",
-              ".parquet": "parquet"}
-
-
-class ByteTokenizer:
-    """UTF-8 bytes plus an end-of-document token: no vocabulary file, no download."""
-
-    vocab_size = 257
-    eos_id = 256
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+_M64 = (1 << 64) - 1
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer from a local directory holding tokenizer.json."""
-
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        f = Path(path) / "tokenizer.json"
-        if not f.is_file():
-            raise ConfigError("data.tokenizer", path, "a directory containing tokenizer.json")
-        self.tok = Tokenizer.from_file(str(f))
-        self.vocab_size = self.tok.get_vocab_size()
-        eos = next((t for t in ("</s>", "<|endoftext|>", "<eos>", "[SEP]") if self.tok.token_to_id(t) is not None), None)
-        self.eos_id = self.tok.token_to_id(eos) if eos else self.vocab_size
-        self.vocab_size = max(self.vocab_size, self.eos_id + 1)
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text).ids, dtype=np.int32)
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
-def build_tokenizer(cfg: DataConfig):
-    return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
+@functools.lru_cache(maxsize=64)
+def _feistel(n: int, seed: int):
+    half = max(1, math.ceil((n - 1).bit_length() / 2))
+    mask = (1 << half) - 1
+    keys = [_mix64((seed & _M64) ^ _mix64(r + 1)) for r in range(4)]
+
+    def once(x: int) -> int:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << half) | right
+
+    return once
 
 
-def stdlib_files() -> list[str]:
-    """The running interpreter's standard-library sources: a real corpus present on every machine."""
-    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+def permute(idx, n: int, seed: int) -> np.ndarray:
+    """A permutation of [0, n) evaluated at `idx`: a 4-round Feistel network on the smallest
+    even-bit domain >= n, with cycle walking back into [0, n) (the domain is < 4n: a few steps)."""
+    if n <= 1:
+        return np.zeros(len(idx), dtype=np.int64)
+    once = _feistel(n, seed)
+    out = []
+    for i in np.asarray(idx, dtype=np.int64).tolist():
+        x = once(i)
+        while x >= n:
+            x = once(x)
+        out.append(x)
+    return np.array(out, dtype=np.int64)
 
 
-def load_documents(cfg: DataConfig):
-    """A `datasets.Dataset` with one document per row in column `text`."""
-    import datasets
+class TokenSplit:
+    """One split's shards as a single token stream, read through np.memmap."""
 
-    datasets.disable_progress_bars()
-    src = cfg.source
-    if src == "stdlib":
-        ds = datasets.load_dataset("text", data_files=stdlib_files(), sample_by="document", split="train")
-    else:
-        files = sorted(glob.glob(os.path.expanduser(src)))
-        if len(files) == 1 and os.path.isdir(files[0]):
-            files = sorted(f for f in glob.glob(os.path.join(files[0], "**", "*"), recursive=True) if os.path.isfile(f))
-        if files:
-            fmt = cfg.format if cfg.format != "auto" else EXT_FORMAT.get(Path(files[0]).suffix, "text")
-            kwargs = {"sample_by": "document"} if fmt == "text" else {}
-            ds = datasets.load_dataset(fmt, data_files=files, split="train", **kwargs)
-        else:  # a hub dataset name (clusters); tested here with local files only
-            ds = datasets.load_dataset(src, split=cfg.hub_split)
-    if cfg.text_key not in ds.column_names:
-        raise ConfigError("data.text_key", cfg.text_key, f"one of the dataset's columns {ds.column_names}")
-    if cfg.text_key != "text":
-        ds = ds.rename_column(cfg.text_key, "text")
-    ds = ds.select_columns(["text"])
-    if cfg.max_documents:
-        ds = ds.select(range(min(cfg.max_documents, len(ds))))
-    return ds
+    def __init__(self, root: Path, meta: dict, dtype: str):
+        self.memmaps = [np.memmap(root / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
+        for m in self.memmaps:
+            m._mmap.madvise(mmap.MADV_RANDOM)  # windows are read in random order: no readahead
+        self.maps = [m.view(np.ndarray) for m in self.memmaps]  # plain views: slicing skips memmap's bookkeeping
+        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+        self.n_tokens = int(self.starts[-1])
+        self.n_bytes, self.n_documents = meta["bytes"], meta["documents"]
+
+    def n_windows(self, seq_len: int) -> int:
+        return max(0, (self.n_tokens - 1) // seq_len)
+
+    def read(self, start: int, length: int, touched: set | None = None) -> np.ndarray:
+        """Tokens [start, start + length) of the stream (crossing shards if needed)."""
+        s = int(np.searchsorted(self.starts, start, side="right")) - 1
+        off = start - int(self.starts[s])
+        part = self.maps[s][off:off + length]
+        if touched is not None:
+            touched.add(s)
+        while len(part) < length:  # the window continues in the next shard
+            s += 1
+            part = np.concatenate([part, self.maps[s][:length - len(part)]])
+            if touched is not None:
+                touched.add(s)
+        return part
+
+    def windows(self, rows, seq_len: int) -> torch.Tensor:
+        """[B, S + 1] int64 windows `rows` (window w starts at token w * seq_len)."""
+        out = np.empty((len(rows), seq_len + 1), dtype=np.int64)
+        touched = set()
+        for j, w in enumerate(rows):
+            out[j] = self.read(int(w) * seq_len, seq_len + 1, touched)
+        for s in touched:
+            # The kernel maps whole page-cache folios (up to MBs) on a fault; they would stay in this
+            # process's RSS. Unmapping after the copy keeps RSS flat (the pages stay in the page cache).
+            self.memmaps[s]._mmap.madvise(mmap.MADV_DONTNEED)
+        return torch.from_numpy(out)
 
 
-def pack(ds, tokenizer, seq_len: int) -> torch.Tensor:
-    """Tokenize documents (EOS after each), concatenate, cut into [N, seq_len + 1] windows that
-    overlap by one token, so every token after the first is a target exactly once."""
-    tok = ds.map(lambda b: {"ids": [np.append(tokenizer.encode(t), tokenizer.eos_id) for t in b["text"]]},
-                 batched=True, remove_columns=["text"])
-    stream = np.concatenate([np.asarray(x, dtype=np.int64) for x in tok["ids"]]) if len(tok) else np.zeros(0, np.int64)
-    n = (len(stream) - 1) // seq_len
-    if n < 1:
-        raise ConfigError("data.seq_len", seq_len, f"shorter than the corpus ({len(stream)} tokens)")
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None]
-    return torch.from_numpy(stream[idx])
+def open_prepared(cfg: DataConfig, progress: bool = False):
+    """(directory, manifest) of the prepared data for `cfg` (prepared now if missing), checked
+    against the config."""
+    path = prepare(cfg, progress=progress)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise ConfigError("data.prepared_dir", cfg.prepared_dir,
+                          f"prepared data at {path} (run `mode data prepare --config F` first)")
+    check_manifest(cfg, path, manifest, build_tokenizer(cfg))
+    return path, manifest
 
 
-@dataclass
-class Split:
-    seqs_NS1: torch.Tensor  # [N, S + 1]
-
-    def __len__(self) -> int:
-        return self.seqs_NS1.shape[0]
+def check_data(cfg: Config) -> Path:
+    """The pre-launch data check: the tokenizer fits the model, the data is prepared (preparing it
+    now if not: every bad input is found here, before any worker starts or run.dir is written),
+    the manifest matches the config, and each split holds at least one sequence."""
+    tok = build_tokenizer(cfg.data)
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
+    path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)
+    S = cfg.data.seq_len
+    for split in ("train", "val"):
+        n = manifest["splits"][split]["tokens"]
+        if n < S + 1:
+            raise ConfigError("data.seq_len", S, f"< the {split} split's {n} tokens ({path}): a corpus shorter "
+                              "than one sequence; use a shorter data.seq_len or more data")
+    return path
 
 
 class DataModule:
     def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.tokenizer = build_tokenizer(cfg)
-        docs = load_documents(cfg)
-        if len(docs) < 2:
-            raise ConfigError("data.source", cfg.source, "a corpus of at least 2 documents (train + validation)")
-        parts = docs.train_test_split(test_size=max(1, round(cfg.val_fraction * len(docs))), seed=cfg.split_seed)
-        self.train = Split(pack(parts["train"], self.tokenizer, cfg.seq_len))
-        self.val = Split(pack(parts["test"], self.tokenizer, cfg.seq_len))
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        """The epoch's sampling order; the last one is kept (a batch needs at most two epochs)."""
-        if getattr(self, "_perm_epoch", None) != epoch:
-            g = torch.Generator().manual_seed(self.cfg.split_seed * 1000003 + epoch)
-            self._perm_epoch, self._perm_cache = epoch, torch.randperm(len(self.train), generator=g)
-        return self._perm_cache
+        self.path, self.manifest = open_prepared(cfg)
+        dtype = self.manifest["dtype"]
+        self.train = TokenSplit(self.path, self.manifest["splits"]["train"], dtype)
+        self.val = TokenSplit(self.path, self.manifest["splits"]["val"], dtype)
+        S = cfg.seq_len
+        self.n_train, self.n_val = self.train.n_windows(S), self.val.n_windows(S)
+        if min(self.n_train, self.n_val) < 1:
+            raise ConfigError("data.seq_len", S, "a length the prepared corpus holds at least once per split")
+        self.token_bytes_V = torch.from_numpy(self.tokenizer.token_bytes())
 
     def train_rows(self, step: int, micro: int, micro_batch: int, accum: int) -> torch.Tensor:
-        """Indices of the packed training sequences this rank reads at (step, micro)."""
+        """Indices of the training windows this rank reads at (step, micro)."""
         start = ((step * accum + micro) * self.world + self.rank) * micro_batch
-        g = torch.arange(start, start + micro_batch)
-        n = len(self.train)
-        epochs = (g // n).tolist()
-        perms = {e: self._perm(e) for e in set(epochs)}
-        return torch.stack([perms[e][i] for e, i in zip(epochs, (g % n).tolist())])
+        g = np.arange(start, start + micro_batch, dtype=np.int64)
+        n = self.n_train
+        epoch, i = g // n, g % n
+        rows = np.empty_like(g)
+        for e in np.unique(epoch):  # a batch spans at most two epochs
+            sel = epoch == e
+            rows[sel] = permute(i[sel], n, self.cfg.split_seed * 1000003 + int(e))
+        return torch.from_numpy(rows)
 
     def train_batch(self, step: int, micro: int, micro_batch: int, accum: int):
         """(inputs, targets), each [B, S] int64, for this rank at (step, micro)."""
-        seq = self.train.seqs_NS1[self.train_rows(step, micro, micro_batch, accum)]
+        seq = self.train.windows(self.train_rows(step, micro, micro_batch, accum).tolist(), self.cfg.seq_len)
         return seq[:, :-1], seq[:, 1:]
 
     def val_batches(self, n_batches: int, micro_batch: int):
-        """The same evaluation batches every time: the first sequences of the validation split."""
-        n = len(self.val)
+        """The same evaluation batches every time: the first windows of the validation split."""
         for b in range(n_batches):
             start = (b * self.world + self.rank) * micro_batch
-            seq = self.val.seqs_NS1[torch.arange(start, start + micro_batch) % n]
+            seq = self.val.windows([(start + j) % self.n_val for j in range(micro_batch)], self.cfg.seq_len)
             yield seq[:, :-1], seq[:, 1:]

@@ -136,9 +136,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
     try:
         cfg = load_config(run_dir / "config.yaml")
     except ConfigError as e:  # sampling reads no data: a training file that moved must not block it
-        if e.key != "data.source":
+        if e.key not in ("data.source", "data.val_source"):
             raise
-        cfg = load_config(run_dir / "config.yaml", ["data.source=stdlib"])
+        cfg = load_config(run_dir / "config.yaml", ["data.source=stdlib", "data.val_source="])
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise ConfigError("--run", str(run_dir), "a run with a complete checkpoint (checkpoints/step_*/model.pt); "

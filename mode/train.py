@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -20,7 +21,7 @@ from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import rundir
 from mode.config import Config, ConfigError, dump_config, load_config
-from mode.data import DataModule, build_tokenizer
+from mode.data import DataModule, check_data
 from mode.flops import count as count_flops
 from mode.metrics import Accumulator, TBWriter
 from mode.model import build_model
@@ -29,7 +30,7 @@ from mode.plan import has_depth_routing, has_moe, layer_plan
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
-                  "model.moe.ep_size")
+                  "model.moe.ep_size", "data.num_workers", "data.prepared_dir", "data.shard_tokens")
 
 
 class NonFiniteError(RuntimeError):
@@ -73,12 +74,6 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     return old
 
 
-def check_vocab(cfg: Config) -> None:
-    tok = build_tokenizer(cfg.data)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
-
-
 def check_backend(cfg: Config) -> None:
     if cfg.model.moe.backend == "megablocks" and has_moe(layer_plan(cfg.model)):
         from mode.moe.megablocks import require_megablocks
@@ -101,11 +96,12 @@ def check_build_locks() -> None:
 def preflight(cfg: Config, lock: bool = True) -> dict | None:
     """Everything that can be checked before processes start (the launchers, `mode compare` and
     `--print-config` call it; so does every rank). Add new checks here: each raises ConfigError
-    and writes nothing. Returns the saved config when resuming. `lock=False` skips the one-writer
-    check (a launcher on node R > 0 may start after rank 0 took the lock)."""
-    check_vocab(cfg)
+    and writes nothing. The data is prepared here if needed (mode.data.check_data). Returns the
+    saved config when resuming. `lock=False` skips the one-writer check (a launcher on node R > 0
+    may start after rank 0 took the lock)."""
     check_backend(cfg)
     check_build_locks()
+    check_data(cfg)
     return check_run_dir(cfg, lock)
 
 
@@ -208,13 +204,25 @@ class Trainer:
         model.eval()
         acc = Accumulator()
         routings = ("topk", "causal") if has_depth_routing(model.plan) else ("topk",)
+        token_bytes_V = self.data.token_bytes_V.to(self.dev)
+        nats_bytes = torch.zeros(2, dtype=torch.float64, device=self.dev)  # summed over batches and ranks
         for x, y in self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch_size):
             x, y = x.to(self.dev), y.to(self.dev)
             for r in routings:
                 out = model(x, y, routing=r)
                 acc.add({"eval/loss" if r == "topk" else "eval/loss_causal": out.loss})
+                if r == "topk":  # out.loss is the mean over every target token
+                    nats_bytes += torch.stack([out.loss.double() * y.numel(), token_bytes_V[y].sum().double()])
         model.train()
-        return acc.read()
+        vals = acc.read()
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(nats_bytes)
+        nats, nbytes = nats_bytes.tolist()
+        # bits per UTF-8 byte of the evaluated text: comparable across tokenizers
+        vals["eval/bpb"] = nats / math.log(2) / max(nbytes, 1.0)
+        return vals
 
     def dump_routing(self) -> None:
         with torch.random.fork_rng(devices=[]):

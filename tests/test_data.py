@@ -1,11 +1,21 @@
-"""datasets-based loading, packing, split, rank sharding and tokenizers."""
+"""Prepared data: `datasets` sources -> memmap shards + manifest, the sampler, val_source, sample_by,
+tokenizers, bits per byte, and every bad input stopping in one line before anything starts."""
 import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from mode.config import ConfigError, DataConfig
-from mode.data import ByteTokenizer, DataModule, stdlib_files
+import mode.prepare as prep
+from mode.config import ConfigError, DataConfig, load_config
+from mode.data import ByteTokenizer, DataModule, check_data, permute, stdlib_files
+from tests.util import PY, ROOT, TINY, env, mode_cli, scalars
 
 DOCS = [f"document number {i} " * (5 + i) for i in range(30)]
 
@@ -14,8 +24,8 @@ DOCS = [f"document number {i} " * (5 + i) for i in range(30)]
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
     (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    (d / "txt").mkdir()
     for i, t in enumerate(DOCS):
-        (d / "txt").mkdir(exist_ok=True)
         (d / "txt" / f"{i:02d}.txt").write_text(t)
     import datasets
 
@@ -23,37 +33,58 @@ def corpus(tmp_path_factory):
     return d
 
 
-def _all_tokens(dm):
-    seqs = torch.cat([dm.train.seqs_NS1, dm.val.seqs_NS1])
-    return seqs
+def dcfg(tmp_path, **kw) -> DataConfig:
+    kw.setdefault("num_workers", 1)  # in-process: the fast tier starts no process
+    kw.setdefault("seq_len", 8)
+    kw.setdefault("val_fraction", 0.2)
+    return DataConfig(prepared_dir=str(tmp_path / "prepared"), **kw)
+
+
+def documents(path: Path, split: str, tok=ByteTokenizer()) -> list[str]:
+    """Decode a prepared split back into documents through the stored boundaries."""
+    m = prep.read_manifest(path)
+    out = []
+    for s in m["splits"][split]["shards"]:
+        toks = np.fromfile(path / s["file"], dtype=m["dtype"])
+        ends = np.load(path / s["docs"])
+        assert ends[-1] == len(toks) and (toks[ends - 1] == m["eos_id"]).all()  # EOS closes each document
+        for a, b in zip(np.r_[0, ends[:-1]], ends):
+            out.append(tok.decode(toks[a:b - 1].tolist()))
+    return out
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
-def test_local_formats_give_same_documents(corpus, fmt):
+def test_local_formats_give_the_same_documents(corpus, tmp_path, fmt):
     src = {"jsonl": corpus / "docs.jsonl", "txt": corpus / "txt", "parquet": corpus / "docs.parquet"}[fmt]
-    dm = DataModule(DataConfig(source=str(src), text_key="body" if fmt == "jsonl" else "text", seq_len=16,
-                               val_fraction=0.2))
-    eos = ByteTokenizer.eos_id
-    n_tokens = sum(len(t.encode()) + 1 for t in DOCS)
-    # every document ends with EOS; windows overlap by exactly one token
-    got = int((dm.train.seqs_NS1[:, :-1] == eos).sum() + (dm.val.seqs_NS1[:, :-1] == eos).sum())
-    assert got <= len(DOCS)
-    s = dm.train.seqs_NS1
-    assert torch.equal(s[1:, 0], s[:-1, -1])
-    total = (len(dm.train) + len(dm.val)) * 16
-    assert n_tokens - 2 * 16 <= total <= n_tokens
+    cfg = dcfg(tmp_path, source=str(src), text_key="body" if fmt == "jsonl" else "text")
+    path = prep.prepare(cfg, progress=False)
+    train, val = documents(path, "train"), documents(path, "val")
+    assert sorted(train + val) == sorted(DOCS) and not set(train) & set(val)
+    assert len(val) == 6  # exactly val_fraction of 30 documents
+    m = prep.read_manifest(path)
+    assert m["dtype"] == "uint16" and m["eos_id"] == 256 and m["vocab_size"] == 257
+    assert m["splits"]["train"]["bytes"] == sum(len(t.encode()) for t in train)
+    assert m["splits"]["val"]["tokens"] == sum(len(t.encode()) + 1 for t in val)
+    assert m["data"]["source"] == str(src) and m["tokenizer"]["kind"] == "byte"
+    # windows overlap by one token: every token after the first is a target exactly once
+    dm = DataModule(cfg)
+    w = dm.train.windows(range(dm.n_train), 8)
+    assert torch.equal(w[1:, 0], w[:-1, -1]) and dm.n_train == (m["splits"]["train"]["tokens"] - 1) // 8
 
 
-def test_split_is_deterministic_and_disjoint(corpus):
-    cfg = DataConfig(source=str(corpus / "docs.parquet"), seq_len=8, val_fraction=0.2)
-    a, b = DataModule(cfg), DataModule(cfg)
-    assert torch.equal(a.train.seqs_NS1, b.train.seqs_NS1) and torch.equal(a.val.seqs_NS1, b.val.seqs_NS1)
-    c = DataModule(DataConfig(source=cfg.source, seq_len=8, val_fraction=0.2, split_seed=99))
-    assert not torch.equal(a.val.seqs_NS1, c.val.seqs_NS1)
+def test_permutation_is_a_bijection_and_depends_on_the_seed():
+    for n in (1, 2, 3, 7, 64, 1000, 4097):
+        p = permute(np.arange(n), n, seed=5)
+        assert sorted(p.tolist()) == list(range(n))
+    a, b = permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2)
+    assert not np.array_equal(a, b) and not np.array_equal(a, np.arange(1000))
+    big = 635_000_000  # 1.3T tokens / 2048: per-index, no table of n entries
+    idx = np.array([0, 1, 12345, big - 1])
+    assert np.array_equal(permute(idx, big, 3), permute(idx, big, 3)) and (permute(idx, big, 3) < big).all()
 
 
-def test_rank_shards_are_disjoint_and_make_the_global_batch(corpus):
-    cfg = DataConfig(source=str(corpus / "docs.parquet"), seq_len=8, val_fraction=0.2)
+def test_rank_shards_are_disjoint_and_make_the_global_batch(corpus, tmp_path):
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
     one = DataModule(cfg, 0, 1)
     ranks = [DataModule(cfg, r, 2) for r in range(2)]
     for step in range(3):
@@ -67,32 +98,326 @@ def test_rank_shards_are_disjoint_and_make_the_global_batch(corpus):
     assert torch.equal(DataModule(cfg, 1, 2).train_batch(5, 1, 2, 2)[0], ranks[1].train_batch(5, 1, 2, 2)[0])
 
 
-def test_epochs_reshuffle(corpus):
-    dm = DataModule(DataConfig(source=str(corpus / "docs.parquet"), seq_len=8, val_fraction=0.2))
-    n = len(dm.train)
-    first = torch.cat([dm.train_batch(s, 0, 1, 1)[0] for s in range(n)])
-    second = torch.cat([dm.train_batch(s, 0, 1, 1)[0] for s in range(n, 2 * n)])
-    assert sorted(map(tuple, first.tolist())) == sorted(map(tuple, second.tolist()))
-    assert not torch.equal(first, second)
+def test_each_epoch_reads_every_window_once_in_a_new_order(corpus, tmp_path):
+    dm = DataModule(dcfg(tmp_path, source=str(corpus / "docs.parquet")))
+    n = dm.n_train
+    first = [int(dm.train_rows(s, 0, 1, 1)) for s in range(n)]
+    second = [int(dm.train_rows(s, 0, 1, 1)) for s in range(n, 2 * n)]
+    assert sorted(first) == sorted(second) == list(range(n)) and first != second
 
 
-def test_hf_tokenizer_from_local_dir(corpus, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]))
-    tok.save(str(tmp_path / "tokenizer.json"))
-    dm = DataModule(DataConfig(source=str(corpus / "docs.parquet"), tokenizer=str(tmp_path), seq_len=8,
-                               val_fraction=0.2))
-    assert dm.tokenizer.eos_id == tok.token_to_id("</s>")
-    assert int(dm.train.seqs_NS1.max()) < dm.tokenizer.vocab_size
-    with pytest.raises(ConfigError):
-        DataConfig(tokenizer=str(tmp_path / "missing")).validate()
+def test_windows_crossing_shards_equal_one_stream(corpus, tmp_path, monkeypatch):
+    one = DataModule(dcfg(tmp_path / "a", source=str(corpus / "docs.parquet")))
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=1))  # a shard per ~document
+    many = DataModule(dcfg(tmp_path / "b", source=str(corpus / "docs.parquet"), shard_tokens=50))
+    assert len(many.train.maps) > 10 and many.n_train == one.n_train
+    rows = list(range(one.n_train))
+    assert torch.equal(many.train.windows(rows, 8), one.train.windows(rows, 8))
+    assert documents(many.path, "train") == documents(one.path, "train")
 
 
-def test_embedded_default_corpus_exists():
+def test_val_source_is_never_trained_on(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    paras = [f"paragraph {i} " * 4 for i in range(40)]
+    val = paras[:5] + ["held out only " * 3]
+    (d / "train.txt").write_text("\n\n".join(paras))  # the first 5 paragraphs also appear in validation
+    (d / "validation.txt").write_text("\n\n".join(val))
+    cfg = dcfg(tmp_path, source=str(d), val_source=str(d / "validation.txt"), sample_by="paragraph")
+    path = prep.prepare(cfg, progress=False)
+    train_docs, val_docs = documents(path, "train"), documents(path, "val")
+    assert sorted(val_docs) == sorted(val)  # validation.txt is not read as training data
+    assert sorted(train_docs) == sorted(paras[5:])  # duplicates of validation documents are dropped
+    assert prep.read_manifest(path)["train_documents_dropped_as_validation_duplicates"] == 5
+
+
+@pytest.mark.parametrize("sample_by", ["document", "paragraph", "line"])
+def test_sample_by_splits_text_as_the_datasets_text_builder(tmp_path, sample_by):
+    d = tmp_path / "c"
+    d.mkdir()
+    texts = ["alpha one\nalpha two\n\nalpha three\n", "beta one\n\nbeta two\nbeta three\n\n\ngamma\n"]
+    for i, t in enumerate(texts):
+        (d / f"{i}.txt").write_text(t)
+    path = prep.prepare(dcfg(tmp_path, source=str(d), sample_by=sample_by, val_fraction=0.5), progress=False)
+    got = sorted(documents(path, "train") + documents(path, "val"))
+    # by hand: a file; blocks between blank lines (datasets keeps the line breaks inside); lines
+    want = {"document": texts,
+            "paragraph": [p for t in texts for p in t.split("\n\n")],
+            "line": [ln for t in texts for ln in t.splitlines()]}[sample_by]
+    assert got == sorted(w for w in want if w.strip())
+
+
+def _bpe(tmp_path, special=("[UNK]", "</s>"), vocab=300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS + ["héllo wörld ☃ 日本"], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=list(special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path / "tok"
+    d.mkdir(exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_tokenizer_dir_file_and_eos(corpus, tmp_path):
+    d = _bpe(tmp_path)
+    for spec in (str(d), str(d / "tokenizer.json")):  # a directory or the file itself
+        tok = prep.build_tokenizer(DataConfig(tokenizer=spec))
+        assert tok.decode(tok.encode("document number 3")) == "document number 3"
+        assert tok.eos_id == tok.tok.token_to_id("</s>")
+    # token bytes add up to the UTF-8 length of any text, multi-byte characters split or not
+    text = "héllo wörld ☃ 日本 document 7"
+    assert int(tok.token_bytes()[tok.encode(text)].sum()) == len(text.encode("utf-8"))
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"), tokenizer=str(d))
+    path = prep.prepare(cfg, progress=False)
+    assert sorted(documents(path, "train", tok) + documents(path, "val", tok)) == sorted(DOCS)
+
+
+def test_tokenizer_without_eos_must_be_given_one(tmp_path):
+    d = _bpe(tmp_path, special=("[UNK]",))
+    with pytest.raises(ConfigError, match=r"data.eos_token='': the end-of-document token"):
+        prep.build_tokenizer(DataConfig(tokenizer=str(d)))
+    with pytest.raises(ConfigError, match=r"data.eos_token='<nope>': a token of"):
+        prep.build_tokenizer(DataConfig(tokenizer=str(d), eos_token="<nope>"))
+    tok = prep.build_tokenizer(DataConfig(tokenizer=str(d), eos_token="[UNK]"))
+    assert tok.eos_id == tok.tok.token_to_id("[UNK]") < tok.vocab_size  # never a new id
+
+
+def test_hub_tokenizer_from_the_local_cache(tmp_path, monkeypatch):
+    """A hub name resolves through the offline cache layout (models--org--name/snapshots/REV/)."""
+    src = _bpe(tmp_path) / "tokenizer.json"
+    snap = tmp_path / "hf" / "models--someorg--tiny-bpe" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_bytes(src.read_bytes())
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    tok = prep.build_tokenizer(DataConfig(tokenizer="someorg/tiny-bpe"))
+    assert tok.identity["name"] == "someorg/tiny-bpe" and tok.eos_id == tok.tok.token_to_id("</s>")
+    with pytest.raises(ConfigError, match="data.tokenizer='someorg/absent': a hub tokenizer present in the local"):
+        prep.build_tokenizer(DataConfig(tokenizer="someorg/absent"))
+
+
+def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("first document " * 40)
+    (d / "b.txt").write_text("second document " * 40)
+    cfg = load_config(None, [f"data.source={d}", f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1",
+                             "data.seq_len=16", "data.val_fraction=0.5"])
+    path = check_data(cfg)
+    os.utime(d / "a.txt", ns=(1, 1))  # the source changed after it was prepared
+    with pytest.raises(ConfigError) as e:
+        check_data(cfg)
+    assert "is stale" in str(e.value) and "a.txt changed" in str(e.value) and "--force" in str(e.value)
+    assert prep.prepare(cfg.data, force=True, progress=False) == path
+    check_data(cfg)
+    # a manifest that names other data keys (copied by hand) is refused too
+    m = json.loads((path / "manifest.json").read_text())
+    m["data"]["split_seed"] = 7
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match=r"data.split_seed: 7 -> 1234"):
+        check_data(cfg)
+
+
+def test_leftovers_of_a_killed_prepare_are_replaced(corpus, tmp_path):
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = prep.prepared_path(cfg)
+    tmp = out.parent / f"{out.name}.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / prep.MARKER).write_text("pid 1\n")
+    (tmp / "train_00000.bin").write_bytes(b"\1\2\3")  # a partial shard
+    assert prep.prepare(cfg, progress=False) == out and not tmp.exists()
+    assert sorted(documents(out, "train") + documents(out, "val")) == sorted(DOCS)
+    # a directory that mode did not write is never deleted
+    (out.parent / "x.tmp").mkdir()
+    with pytest.raises(ConfigError, match="was not written by"):
+        prep._remove_ours(out.parent / "x.tmp")
+
+
+@pytest.mark.parametrize("val", ["fraction", "val_source"])
+def test_interrupted_prepare_resumes_after_its_last_complete_shard(corpus, tmp_path, monkeypatch, val):
+    extra = {"val_source": str(corpus / "txt" / "0[0-4].txt")} if val == "val_source" else {}
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=2))
+    clean = prep.prepare(dcfg(tmp_path / "clean", source=str(corpus / "txt"), shard_tokens=100, **extra),
+                         progress=False)
+    cfg = dcfg(tmp_path / "p", source=str(corpus / "txt"), shard_tokens=100, **extra)
+    add, calls = prep.ShardWriter.add, []
+
+    def dies(self, *a):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt  # killed mid-way
+        return add(self, *a)
+
+    monkeypatch.setattr(prep.ShardWriter, "add", dies)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(cfg, progress=False)
+    monkeypatch.setattr(prep.ShardWriter, "add", add)
+    out = prep.prepared_path(cfg)
+    tmp = out.parent / f"{out.name}.tmp"
+    progress = json.loads((tmp / "progress.json").read_text())
+    assert not out.exists() and progress["train"]["shards"] and progress["read"] > 0
+    first = (tmp / "train_00000.bin").stat().st_ino
+    assert prep.prepare(cfg, progress=False) == out and not tmp.exists()
+    m, mc = prep.read_manifest(out), prep.read_manifest(clean)
+    assert m["resumed"] and m["splits"] == mc["splits"] and (out / "train_00000.bin").stat().st_ino == first
+    for f in sorted(clean.glob("*.bin")) + sorted(clean.glob("*.npy")):
+        assert f.read_bytes() == (out / f.name).read_bytes(), f.name
+    assert not (set(documents(out, "train")) & set(documents(out, "val")))
+
+
+def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, monkeypatch):
+    """Every rank calls prepare at start-up: the lock lets one build, the others get its result."""
+    import threading
+
+    calls, real = [], prep._write_shards
+
+    def counted(*a, **kw):
+        calls.append(1)
+        time.sleep(0.5)  # the others arrive while it works
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prep, "_write_shards", counted)
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(prep.prepare(cfg, progress=False))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(out) == 3 and len(set(out)) == 1 and prep.read_manifest(out[0])
+
+
+def test_embedded_default_corpus_exists(tmp_path):
     files = stdlib_files()
     assert len(files) > 50 and any(f.endswith("os.py") for f in files)
-    dm = DataModule(DataConfig(max_documents=10, seq_len=64))
-    assert len(dm.train) > 100 and ByteTokenizer().decode(dm.train.seqs_NS1[0].tolist())
+    dm = DataModule(dcfg(tmp_path, max_documents=10, seq_len=64, val_fraction=0.2))
+    assert dm.n_train > 100 and ByteTokenizer().decode(dm.train.windows([0], 64)[0].tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one `config error:` line, exit 2, nothing in run.dir; then the corrected command runs.
+
+
+def _bad_inputs(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "empty.txt").write_text("")
+    (d / "short.txt").write_text("tiny")
+    (d / "bin.txt").write_bytes(b"text\0\1\2binary")
+    (d / "latin1.txt").write_bytes("caf\xe9 ol\xe9".encode("latin-1"))
+    (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    return [
+        ([f"data.source={d}/missing.txt"], "config error: data.source="),
+        ([f"data.source={d}/*.nomatch"], "config error: data.source="),
+        ([f"data.source={d}/docs.jsonl"], "config error: data.text_key='text': one of the source's columns ['body']"),
+        ([f"data.source={d}/empty.txt"], "config error: data.source="),
+        ([f"data.source={d}/short.txt", "data.val_source=" + f"{d}/short.txt"], "config error: data.source="),
+        ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.seq_len=4000", "model.max_seq_len=4096"],
+         "config error: data.seq_len=4000: < the val split's"),
+        ([f"data.source={d}/bin.txt"], "is binary (NUL byte at 4)"),
+        ([f"data.source={d}/latin1.txt"], "latin1.txt is not UTF-8 (byte 3)"),
+        (["data.source=no-such-org-zz/no-such-dataset"], "config error: data.source='no-such-org-zz/no-such-dataset'"),
+        ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.val_source=validation"],
+         "config error: data.val_source='validation': an existing file"),
+    ]
+
+
+def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    from mode.train import main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an unreachable hub, without waiting
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    for i, (overrides, needle) in enumerate(_bad_inputs(tmp_path)):
+        run = tmp_path / f"run{i}"
+        rc = main(["--config", str(ROOT / "configs/tiny/dense.yaml"), *TINY, *overrides, f"run.dir={run}",
+                   f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=1", "data.max_documents=0"])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], (overrides, err)
+        assert not run.exists()
+    # nothing half-prepared is left behind (the seq_len case prepared valid data: seq_len only cuts windows)
+    assert not list((tmp_path / "prepared").glob("*.tmp")) and len(list((tmp_path / "prepared").glob("*/"))) == 1
+
+
+@pytest.mark.slow
+def test_corrected_command_runs_without_fresh_and_bpb_matches_a_hand_computation(tmp_path):
+    """A wrong text_key stops before run.dir exists; the corrected command trains (auto-prepare)
+    and its eval/bpb equals sum(nats) / ln 2 / UTF-8 bytes of the evaluated text, computed here
+    in float64 from the saved weights and the decoded text."""
+    tok_dir = _bpe(tmp_path)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    base = ["--config", "configs/tiny/dense.yaml", *TINY, f"data.source={src}", f"data.tokenizer={tok_dir}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=2", "data.val_fraction=0.3",
+            "data.max_documents=0", "data.seq_len=16", "train.max_steps=3", "train.eval_batches=2",
+            "train.micro_batch_size=2", f"run.dir={tmp_path / 'run'}"]
+    r = mode_cli("train", *base, check=False)
+    assert r.returncode == 2 and r.stderr.strip().startswith("config error: data.text_key='text'")
+    assert not (tmp_path / "run").exists()
+    mode_cli("train", *base, "data.text_key=body")
+    bpb = scalars(tmp_path / "run", "eval/bpb")[3]
+
+    from mode.generate import load_run
+
+    model, tok, cfg = load_run(tmp_path / "run")
+    dm = DataModule(cfg.data)
+    nats, text = 0.0, b""
+    with torch.no_grad():
+        for x, y in dm.val_batches(2, 2):
+            logp = torch.log_softmax(model(x).logits.double(), -1)
+            nats -= logp.gather(-1, y[..., None]).sum().item()
+            for row in y.tolist():  # each target token's text, EOS contributes none
+                text += b"".join(tok.decode([t]).encode() for t in row if t != tok.eos_id)
+    assert text and bpb == pytest.approx(nats / math.log(2) / len(text), rel=1e-4)
+    # the report shows it beside the eval loss
+    mode_cli("analyze", tmp_path / "run", "--out", tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "eval bits/byte" in report and f"{bpb:.4f}" in report
+
+
+@pytest.mark.slow
+def test_killed_prepare_restarts_cleanly(tmp_path):
+    """SIGKILL `mode data prepare` while it writes shards: no manifest points at a partial shard,
+    the next prepare resumes after the last complete shard (keeping it) and builds exactly what
+    an uninterrupted one does."""
+    d = tmp_path / "big"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
+    for i in range(40):
+        (d / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 150_000)))
+    args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
+            "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
+    p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00001.bin")):
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGKILL)  # the CLI and its tokenizer workers, mid-way through shard 1
+    p.wait()
+    assert not any((tmp_path / "p").glob("*/manifest.json")), "a killed prepare must not publish a manifest"
+    (tmp,) = (tmp_path / "p").glob("*.tmp")
+    done = json.loads((tmp / "progress.json").read_text())["train"]["shards"]
+    assert done, "the kill came too late to test a resume"
+    kept = {s["file"]: (tmp / s["file"]).stat().st_ino for s in done}
+    mode_cli(*args)
+    mode_cli(*args[:-1], f"data.prepared_dir={tmp_path / 'clean'}")
+    (a,), (b,) = (tmp_path / "p").glob("*/manifest.json"), (tmp_path / "clean").glob("*/manifest.json")
+    assert not list((tmp_path / "p").glob("*.tmp"))
+    for f in sorted(a.parent.glob("*.bin")) + sorted(a.parent.glob("*.npy")):
+        assert f.read_bytes() == (b.parent / f.name).read_bytes(), f.name
+    ma, mb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert ma["splits"] == mb["splits"] and ma["splits"]["train"]["tokens"] > 5_000_000
+    assert ma["resumed"] and not mb["resumed"]
+    assert {f: (a.parent / f).stat().st_ino for f in kept} == kept  # complete shards were kept, not rewritten

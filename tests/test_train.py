@@ -25,8 +25,9 @@ def test_end_to_end_tiny_run_learns(tmp_path):
 
 
 def _resume_check(tmp_path, launch):
+    # a fresh data.prepared_dir: the first launch prepares the data (with 2 ranks: one prepares, one waits)
     common = [*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=3",
-              "optim.warmup_steps=2"]
+              "optim.warmup_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"]
     launch(*common, f"run.dir={tmp_path / 'straight'}")
     launch(*common, "train.stop_at=6", f"run.dir={tmp_path / 'resumed'}")
     assert not (tmp_path / "resumed" / "DONE").exists()
@@ -34,6 +35,7 @@ def _resume_check(tmp_path, launch):
     a, b = scalars(tmp_path / "straight", "train/loss"), scalars(tmp_path / "resumed", "train/loss")
     assert list(a) == list(range(1, 13)) and a == b  # bit for bit
     assert scalars(tmp_path / "straight", "eval/loss") == scalars(tmp_path / "resumed", "eval/loss")
+    assert scalars(tmp_path / "straight", "eval/bpb") == scalars(tmp_path / "resumed", "eval/bpb")
 
 
 @pytest.mark.slow

@@ -1,0 +1,649 @@
+"""Tokenize once: stream documents through `datasets`, tokenize them in worker processes and write
+memory-mapped token shards with a manifest (`mode data prepare`).
+
+Layout of one prepared directory (`<data.prepared_dir>/<name>-<hash of the data keys>/`):
+
+    manifest.json               written last; its presence means every shard is complete
+    train_00000.bin ...         tokens (uint16 when the vocabulary fits, else uint32), each document
+                                followed by EOS; a shard ends at a document boundary
+    train_00000.docs.npy ...    int64 end offset of every document inside its shard
+    val_00000.bin ...           the same for the validation split
+
+A prepare writes into `<name>.tmp/` and renames it into place, under a lock file, so a killed prepare
+never leaves a manifest pointing at a partial shard, and the next one (or a waiting rank) starts
+clean. This module does not import torch: tokenizer workers start in a fraction of a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from mode.config import ConfigError, DataConfig, looks_local
+
+MANIFEST = "manifest.json"
+MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
+FORMAT = "mode-prepared-v1"
+EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
+              ".jsonl": "json", ".parquet": "parquet"}
+# Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
+KEY_FIELDS = ("source", "format", "text_key", "hub_split", "sample_by", "val_source", "tokenizer", "eos_token",
+              "val_fraction", "max_documents", "split_seed")
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus an end-of-document token: no vocabulary file, no download."""
+
+    vocab_size = 257
+    eos_id = 256
+    identity = {"kind": "byte", "sha256": hashlib.sha256(b"mode-byte-tokenizer-v1").hexdigest()}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each token id stands for (EOS: none)."""
+        return np.array([1] * 256 + [0], dtype=np.int64)
+
+    def spec(self) -> dict:
+        return {"kind": "byte"}
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer from a tokenizer.json file."""
+
+    def __init__(self, file: str, eos_id: int, identity: dict):
+        from tokenizers import Tokenizer
+
+        self.file, self.eos_id, self.identity = file, eos_id, identity
+        self.tok = Tokenizer.from_file(file)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each token id stands for; special tokens count none. Byte-level BPE
+        tokens are spelled one character per byte; SentencePiece's `▁` is a space, `<0xNN>` one byte."""
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        byte_level = "ByteLevel" in json.dumps(decoder)
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            piece = self.tok.id_to_token(i)
+            if i in special or piece is None:
+                continue
+            if byte_level:
+                out[i] = len(piece)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out[i] = 1
+            elif "▁" in piece:
+                out[i] = len(piece.replace("▁", " ").encode("utf-8"))
+            else:
+                out[i] = len(self.tok.decode([i]).encode("utf-8"))
+        return out
+
+    def spec(self) -> dict:
+        return {"kind": "hf", "file": self.file, "eos_id": self.eos_id, "identity": self.identity}
+
+
+def tokenizer_from_spec(spec: dict):
+    return ByteTokenizer() if spec["kind"] == "byte" else HFTokenizer(spec["file"], spec["eos_id"], spec["identity"])
+
+
+def _tokenizer_file(name: str) -> Path:
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise ConfigError("data.tokenizer", name, "a directory holding tokenizer.json (this one has none)")
+        return p / "tokenizer.json"
+    if p.is_file():
+        return p
+    if looks_local(name):
+        raise ConfigError("data.tokenizer", name, "`byte`, an existing directory holding tokenizer.json, "
+                                                  "a tokenizer.json file, or a hub name in the local cache")
+    from huggingface_hub import try_to_load_from_cache
+
+    f = try_to_load_from_cache(name, "tokenizer.json")
+    if not isinstance(f, str):
+        raise ConfigError("data.tokenizer", name, "a hub tokenizer present in the local Hugging Face cache "
+                          f"(not found there; on a machine with network: `hf download {name} tokenizer.json "
+                          "tokenizer_config.json`), a local directory, or `byte`")
+    return Path(f)
+
+
+def build_tokenizer(cfg: DataConfig):
+    """The configured tokenizer; refuses one without a known end-of-sequence token (never invents an id)."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    f = _tokenizer_file(cfg.tokenizer)
+    try:
+        tok = Tokenizer.from_file(str(f))
+    except Exception as e:  # noqa: BLE001 - a corrupt file is a config problem, named in one line
+        raise ConfigError("data.tokenizer", cfg.tokenizer, f"a valid tokenizer.json ({str(e).splitlines()[0]})")
+    eos = cfg.eos_token
+    if eos:
+        if tok.token_to_id(eos) is None:
+            raise ConfigError("data.eos_token", eos, f"a token of the tokenizer {cfg.tokenizer}")
+    else:
+        conf = f.parent / "tokenizer_config.json"
+        named = json.loads(conf.read_text()).get("eos_token") if conf.is_file() else None
+        named = named.get("content") if isinstance(named, dict) else named
+        eos = next((t for t in (named, *EOS_NAMES) if t and tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise ConfigError("data.eos_token", "", f"the end-of-document token of {cfg.tokenizer}: it has no "
+                              f"recognised one ({', '.join(EOS_NAMES)}); name one of its tokens")
+    identity = {"kind": "hf", "name": cfg.tokenizer, "eos_token": eos,
+                "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    return HFTokenizer(str(f), tok.token_to_id(eos), identity)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: documents streamed through `datasets`
+
+
+def stdlib_files() -> list[str]:
+    """The running interpreter's standard-library sources: a real corpus present on every machine."""
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+
+
+def source_files(spec: str, key: str) -> list[str]:
+    """Files of a local source (file, directory searched recursively, or glob); [] for a hub name."""
+    if spec == "stdlib":
+        return stdlib_files()
+    if not looks_local(spec):
+        return []
+    files = []
+    for m in sorted(glob.glob(os.path.expanduser(spec))):
+        if os.path.isdir(m):
+            files += sorted(f for f in glob.glob(os.path.join(m, "**", "*"), recursive=True)
+                            if os.path.isfile(f) and not Path(f).name.startswith("."))
+        elif os.path.isfile(m):
+            files.append(m)
+    if not files:
+        raise ConfigError(key, spec, "an existing file, a directory with files, or a glob matching files")
+    return files
+
+
+def _format(cfg: DataConfig, files: list[str], key: str, spec: str) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    fmts = {EXT_FORMAT.get(Path(f).suffix.lower(), "text") for f in files}
+    if len(fmts) > 1:
+        raise ConfigError(key, spec, f"files of one format (found {', '.join(sorted(fmts))}); set data.format "
+                          "or narrow the glob")
+    return fmts.pop()
+
+
+def check_utf8(files: list[str], key: str, spec: str) -> None:
+    """Refuse binary and non-UTF-8 text files before any worker starts (streamed, ~1 GB/s)."""
+    import codecs
+
+    for f in files:
+        dec, pos = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                if b"\0" in chunk:
+                    raise ConfigError(key, spec, f"UTF-8 text files; {f} is binary (NUL byte at {pos + chunk.index(0)})")
+                try:
+                    dec.decode(chunk)
+                except UnicodeDecodeError as e:
+                    raise ConfigError(key, spec, f"UTF-8 text files; {f} is not UTF-8 (byte {pos + e.start})") from None
+                pos += len(chunk)
+            try:
+                dec.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise ConfigError(key, spec, f"UTF-8 text files; {f} ends inside a UTF-8 character") from None
+
+
+def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
+    """(an iterator of document strings, its description, the local files read) for `source` or
+    `val_source`; every check that can fail runs here, before a worker starts."""
+    import datasets
+    import huggingface_hub
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()  # retries and warnings would break the one-line error
+    huggingface_hub.utils.logging.set_verbosity_error()
+    key = "data.source" if which == "source" else "data.val_source"
+    spec = getattr(cfg, which)
+    hub_split = cfg.hub_split
+    if which == "val_source" and not looks_local(spec):  # a split of the hub source
+        if looks_local(cfg.source) or cfg.source == "stdlib":
+            raise ConfigError(key, spec, "an existing file, directory or glob (a split name needs a hub data.source)")
+        spec, hub_split = cfg.source, cfg.val_source
+    files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
+    held = [f for f in files if Path(f).stem.lower() in ("validation", "valid", "val", "dev", "test")]
+    if which == "source" and not cfg.val_source and held and spec != "stdlib":
+        print(f"warning: data.source={spec} includes {held[0]}, read as training documents like every file; "
+              f"set data.val_source={held[0]} to make it the validation set", file=sys.stderr)
+    if looks_local(spec) or spec == "stdlib":
+        if not files:
+            raise ConfigError(key, spec, "files that are not also the validation source")
+        fmt = _format(cfg, files, key, spec)
+        if fmt == "text":
+            check_utf8(files, key, spec)
+        kw = {"sample_by": cfg.sample_by} if fmt == "text" else {}
+        try:
+            ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kw)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(key, spec, f"readable {fmt} files ({_first_line(e)})") from None
+        desc = {"kind": "local", "spec": spec, "format": fmt, "files": len(files)}
+    else:
+        try:
+            ds = datasets.load_dataset(spec, split=hub_split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - offline, no such dataset or split: one line, no traceback
+            k, v = ("data.hub_split", hub_split) if which == "source" else (key, cfg.val_source)
+            if "split" not in str(e).lower():
+                k, v = key, spec
+            raise ConfigError(k, v, f"a local file/dir/glob or a reachable hub dataset and split ({_first_line(e)})") from None
+        desc = {"kind": "hub", "name": spec, "split": hub_split}
+    it = iter(ds)
+    try:
+        first = next(it, None)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(key, spec, f"readable documents ({_first_line(e)})") from None
+    if first is None:
+        raise ConfigError(key, spec, "a corpus with at least one document (it is empty)")
+    if cfg.text_key not in first:
+        raise ConfigError("data.text_key", cfg.text_key, f"one of the source's columns {sorted(first)}")
+
+    def docs():
+        import itertools
+
+        rows = itertools.chain([first], it)
+        if cfg.max_documents:
+            rows = itertools.islice(rows, cfg.max_documents)
+        for row in rows:
+            text = row.get(cfg.text_key)
+            if not isinstance(text, str):
+                raise ConfigError("data.text_key", cfg.text_key, f"a column of strings (got {type(text).__name__})")
+            yield text
+
+    return docs(), desc, files
+
+
+def _first_line(e: BaseException) -> str:
+    s = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {s[:200]}"
+
+
+def fingerprint(files: list[str]) -> list:
+    """What the local source files were when prepared: a change makes the manifest stale."""
+    out = []
+    for f in files:
+        st = os.stat(f)
+        out.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing in worker processes
+
+
+_TOK = None
+
+
+def _init_worker(spec: dict) -> None:
+    global _TOK
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: data.num_workers is the knob
+    _TOK = tokenizer_from_spec(spec)
+
+
+def _encode(texts: list[str]):
+    """(tokens with EOS after each document, tokens per document, 8-byte text hashes, UTF-8 bytes per document)."""
+    ids = _TOK.encode_batch(texts)
+    eos = np.array([_TOK.eos_id], dtype=np.int64)
+    flat = np.concatenate([np.concatenate([x.astype(np.int64), eos]) for x in ids])
+    lens = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+    raw = [t.encode("utf-8") for t in texts]
+    hashes = np.array([int.from_bytes(hashlib.blake2b(r, digest_size=8).digest(), "little") for r in raw],
+                      dtype=np.uint64)
+    return flat, lens, hashes, np.array([len(r) for r in raw], dtype=np.int64)
+
+
+def _batches(docs, max_chars: int = 1 << 20, max_docs: int = 4096):
+    """(batch of non-empty documents, documents read from the source so far, empty ones included)."""
+    batch, size, read = [], 0, 0
+    for t in docs:
+        read += 1
+        if not t.strip():
+            continue  # empty documents (blank lines with sample_by=line) carry no text
+        batch.append(t)
+        size += len(t)
+        if size >= max_chars or len(batch) >= max_docs:
+            yield batch, read
+            batch, size = [], 0
+    if batch:
+        yield batch, read
+
+
+@contextlib.contextmanager
+def encoder(tok, workers: int):
+    """A function mapping an iterator of documents to (encoded batch, documents read), in order;
+    with several workers, a bounded number of batches is in flight (the reader never runs ahead
+    of memory)."""
+    if workers <= 1:
+        old = os.environ.get("TOKENIZERS_PARALLELISM")
+        _init_worker(tok.spec())
+        try:
+            yield lambda docs: ((_encode(b), read) for b, read in _batches(docs))
+        finally:
+            os.environ.pop("TOKENIZERS_PARALLELISM") if old is None else os.environ.update(TOKENIZERS_PARALLELISM=old)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
+        def run(docs):
+            pending = deque()
+            for b, read in _batches(docs):
+                pending.append((pool.apply_async(_encode, (b,)), read))
+                if len(pending) >= 2 * workers:
+                    r, read = pending.popleft()
+                    yield r.get(), read
+            while pending:
+                r, read = pending.popleft()
+                yield r.get(), read
+
+        yield run
+
+
+class ShardWriter:
+    """Appends documents' tokens to `<split>_NNNNN.bin`; a shard ends at a document boundary."""
+
+    def __init__(self, root: Path, split: str, dtype, shard_tokens: int, state: dict | None = None):
+        self.root, self.split, self.dtype, self.shard_tokens = root, split, np.dtype(dtype), shard_tokens
+        self.shards, self.tokens, self.documents, self.bytes = [], 0, 0, 0
+        if state:  # resuming: the shards listed in the progress file are complete
+            self.shards, self.tokens, self.documents, self.bytes = (state[k] for k in ("shards", "tokens",
+                                                                                       "documents", "bytes"))
+        self._f, self._ends = None, []
+
+    def add(self, flat, lens, nbytes) -> None:
+        if not len(lens):
+            return
+        if self._f is None:
+            name = f"{self.split}_{len(self.shards):05d}"
+            self._name, self._f, self._n = name, open(self.root / f"{name}.bin", "wb"), 0
+        self._f.write(flat.astype(self.dtype).tobytes())
+        self._ends.append(self._n + np.cumsum(lens))
+        self._n += int(lens.sum())
+        self.tokens += int(lens.sum())
+        self.documents += len(lens)
+        self.bytes += int(np.sum(nbytes))
+        if self._n >= self.shard_tokens:
+            self.close()
+
+    def close(self) -> None:
+        if self._f is None:
+            return
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        ends = np.concatenate(self._ends)
+        np.save(self.root / f"{self._name}.docs.npy", ends)
+        self.shards.append({"file": f"{self._name}.bin", "docs": f"{self._name}.docs.npy", "tokens": self._n,
+                            "documents": len(ends)})
+        self._f, self._ends = None, []
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "shards": self.shards}
+
+
+def val_mask(first_index: int, n: int, fraction: float, seed: int) -> np.ndarray:
+    """Documents [first_index, first_index + n) held out for validation: every 1/fraction-th one from
+    a seeded offset, so exactly floor(fraction * N + phase) of N documents, spread over the source."""
+    phase = np.random.default_rng(seed).random()
+    i = np.arange(first_index, first_index + n, dtype=np.float64)
+    return np.floor((i + 1) * fraction + phase) > np.floor(i * fraction + phase)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prepared directory: naming, manifest, lock
+
+
+def data_keys(cfg: DataConfig) -> dict:
+    d = asdict(cfg)
+    return {k: d[k] for k in KEY_FIELDS}
+
+
+def prepared_path(cfg: DataConfig) -> Path:
+    """`<prepared_dir>/<source>-<tokenizer>-<hash of the data keys>`: one directory per data config."""
+    h = hashlib.sha256(json.dumps(data_keys(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    slug = lambda s: re.sub(r"[^A-Za-z0-9]+", "-", Path(s.rstrip("/*")).name or s).strip("-")[:40] or "data"  # noqa: E731
+    return Path(cfg.prepared_dir).expanduser() / f"{slug(cfg.source)}-{slug(cfg.tokenizer)}-{h}"
+
+
+def read_manifest(path: Path) -> dict | None:
+    f = Path(path) / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
+    """Refuse prepared data that no longer matches the config, the tokenizer or the source files."""
+    why = []
+    if manifest.get("format") != FORMAT:
+        why.append(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    old = manifest.get("data", {})
+    why += [f"data.{k}: {old.get(k)!r} -> {v!r}" for k, v in data_keys(cfg).items() if old.get(k) != v]
+    if manifest.get("tokenizer", {}).get("sha256") != tok.identity["sha256"]:
+        why.append("the tokenizer file changed")
+    if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:
+        why.append("the tokenizer's EOS id or vocabulary size changed")
+    old_fp = {p: (s, m) for p, s, m in manifest.get("fingerprint", [])}
+    for p, (s, m) in old_fp.items():
+        if not os.path.exists(p):
+            why.append(f"{p} is gone")
+        elif (os.path.getsize(p), os.stat(p).st_mtime_ns) != (s, m):
+            why.append(f"{p} changed")
+        if len(why) > 3:
+            break
+    if why:
+        raise ConfigError("data.prepared_dir", cfg.prepared_dir,
+                          f"{path} is stale ({'; '.join(why[:4])}); rebuild it with "
+                          "`mode data prepare --config F --force` (it replaces only that directory)")
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """Exclusive lock (flock) on `<dir>.lock`: one process prepares, the others wait for it."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_ours(path: Path) -> None:
+    """Delete a directory only if this module made it (a prepare's marker or manifest is inside)."""
+    if not ((path / MARKER).is_file() or (path / MANIFEST).is_file()):
+        raise ConfigError("data.prepared_dir", str(path.parent),
+                          f"a directory mode can manage; {path} was not written by `mode data prepare`: move it away")
+    shutil.rmtree(path)
+
+
+def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path:
+    """Prepare the data of `cfg` unless a matching manifest exists; returns the prepared directory.
+    Safe to call from every rank at once: the first takes the lock and prepares, the rest wait."""
+    tok = build_tokenizer(cfg)
+    out = prepared_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(out.parent / f"{out.name}.lock"):
+        manifest = read_manifest(out)
+        if manifest is not None:
+            try:
+                check_manifest(cfg, out, manifest, tok)
+                return out
+            except ConfigError:
+                if not force:
+                    raise
+            _remove_ours(out)
+        elif out.exists():
+            raise ConfigError("data.prepared_dir", cfg.prepared_dir,
+                              f"a directory mode can manage; {out} exists without a manifest: move it away")
+        tmp = out.parent / f"{out.name}.tmp"
+        if tmp.exists() and not (tmp / MARKER).is_file():
+            _remove_ours(tmp)  # refuses: not ours
+        tmp.mkdir(exist_ok=True)  # a killed prepare's leftovers are resumed (or cleared) by _write_shards
+        (tmp / MARKER).write_text(f"pid {os.getpid()}\n")
+        try:
+            manifest = _write_shards(cfg, tok, tmp, progress)
+            f = tmp / MANIFEST
+            f.write_text(json.dumps(manifest, indent=1))
+            with open(f) as fh:
+                os.fsync(fh.fileno())
+            (tmp / MARKER).unlink()
+            os.rename(tmp, out)  # atomic: the directory appears complete or not at all
+        except ConfigError:
+            shutil.rmtree(tmp, ignore_errors=True)  # bad input: nothing worth resuming
+            raise
+    return out
+
+
+PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
+
+
+def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
+    """Tokenize into `tmp`. Whenever a shard completes, both splits' open shards are closed and
+    progress.json records them with the source position, so a killed prepare resumes there."""
+    t0 = time.perf_counter()
+    val_docs = None
+    if cfg.val_source:
+        val_docs, val_desc, val_files = open_documents(cfg, "val_source")
+        exclude = tuple(os.path.abspath(f) for f in val_files)
+    else:
+        val_desc, val_files, exclude = None, [], ()
+    docs, desc, files = open_documents(cfg, "source", exclude)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    key = {"data": data_keys(cfg), "tokenizer": tok.identity, "fingerprint": fingerprint(files + val_files)}
+    st = _resume_state(tmp, key)
+    train = ShardWriter(tmp, "train", dtype, cfg.shard_tokens, st and st["train"])
+    val = ShardWriter(tmp, "val", dtype, cfg.shard_tokens, st and st["val"])
+    phase, read, n, dup = (st["phase"], st["read"], st["n"], st["dup"]) if st else (
+        "val" if val_docs is not None else "train", 0, 0, 0)
+    seen = set(np.load(tmp / "val_hashes.npy").tolist()) if st and (tmp / "val_hashes.npy").is_file() else set()
+    workers = cfg.num_workers or os.cpu_count() or 1
+    bar = None
+
+    def checkpoint(phase, read):
+        train.close()
+        val.close()
+        f = tmp / (PROGRESS + ".new")
+        f.write_text(json.dumps({**key, "phase": phase, "read": read, "n": n, "dup": dup,
+                                 "train": train.summary(), "val": val.summary()}))
+        os.replace(f, tmp / PROGRESS)
+
+    with encoder(tok, workers) as encode:
+        def stream(it, skip):
+            nonlocal bar
+            import itertools
+
+            for (r, done) in encode(itertools.islice(it, skip, None)):
+                if progress and bar is None:  # opened at the first batch: a bad source prints only its error
+                    from tqdm import tqdm
+
+                    bar = tqdm(desc=f"prepare {tmp.name.removesuffix('.tmp')}", unit="tok", unit_scale=True,
+                               dynamic_ncols=True, file=sys.stderr)
+                if bar is not None:
+                    bar.update(len(r[0]))
+                shards = len(train.shards) + len(val.shards)
+                yield r
+                if len(train.shards) + len(val.shards) > shards:
+                    checkpoint(phase, skip + done)
+
+        if phase == "val":
+            for flat, lens, hashes, nbytes in stream(val_docs, read):
+                val.add(flat, lens, nbytes)
+                seen.update(hashes.tolist())
+            np.save(tmp / "val_hashes.npy", np.array(sorted(seen), dtype=np.uint64))
+            phase, read = "train", 0
+            checkpoint(phase, read)
+        if val_docs is not None:
+            for flat, lens, hashes, nbytes in stream(docs, read):
+                keep = np.array([h not in seen for h in hashes.tolist()], dtype=bool)
+                dup += int((~keep).sum())
+                _split_add(train, flat, lens, keep, nbytes)
+        else:
+            for flat, lens, hashes, nbytes in stream(docs, read):
+                is_val = val_mask(n, len(lens), cfg.val_fraction, cfg.split_seed)
+                n += len(lens)
+                _split_add(val, flat, lens, is_val, nbytes)
+                _split_add(train, flat, lens, ~is_val, nbytes)
+    train.close()
+    val.close()
+    if bar is not None:
+        bar.close()
+    if train.tokens == 0:
+        raise ConfigError("data.source", cfg.source, "a corpus with at least one non-empty training document")
+    if val.tokens == 0:
+        if cfg.val_source:
+            raise ConfigError("data.val_source", cfg.val_source, "a source with at least one non-empty document")
+        raise ConfigError("data.val_fraction", cfg.val_fraction, f"a fraction that holds out at least one of the "
+                          f"{train.documents} documents (or set data.val_source)")
+    for f in (PROGRESS, "val_hashes.npy"):
+        (tmp / f).unlink(missing_ok=True)
+    dt = time.perf_counter() - t0
+    return {"format": FORMAT, "created_by": "mode data prepare", "tokenizer": tok.identity,
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name,
+            "source": desc, "val_source": val_desc, "data": data_keys(cfg),
+            "splits": {"train": train.summary(), "val": val.summary()},
+            "train_documents_dropped_as_validation_duplicates": dup,
+            "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
+            "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+
+
+def _resume_state(tmp: Path, key: dict) -> dict | None:
+    """The progress of a killed prepare of the same data into `tmp`, with every file it did not
+    complete removed; None (and an empty `tmp`) when there is nothing to resume."""
+    f = tmp / PROGRESS
+    st = json.loads(f.read_text()) if f.is_file() else None
+    if st is not None and any(st.get(k) != v for k, v in key.items()):
+        st = None  # another config or changed source files: start over
+    keep = {MARKER, PROGRESS} | ({"val_hashes.npy"} if st and st["phase"] == "train" else set())
+    if st:
+        keep |= {x[k] for sp in ("train", "val") for x in st[sp]["shards"] for k in ("file", "docs")}
+    for p in tmp.iterdir():
+        if p.name not in keep:
+            p.unlink()
+    return st
+
+
+def _split_add(w: ShardWriter, flat, lens, keep, nbytes) -> None:
+    """Add the documents of a batch selected by `keep`."""
+    if keep.all():
+        w.add(flat, lens, nbytes)
+    elif keep.any():
+        w.add(flat[np.repeat(keep, lens)], lens[keep], nbytes[keep])
