@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mode.config import ModelConfig, resolve_layers
 from mode.model.blocks import Block, DenseBlock, MoEBlock, Routed
@@ -37,6 +38,8 @@ def build_block(cfg: ModelConfig, i: int) -> nn.Module:
 
 
 class LM(nn.Module):
+    activation_checkpointing = False  # set by the trainer from train.activation_checkpointing
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -57,7 +60,11 @@ class LM(nn.Module):
         x_BSD = self.embed(input_ids_BS)
         for i, block in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None
-            out_BSD = block(x_BSD, pos_BS, None, cache, routing)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
+                out_BSD = checkpoint(block, x_BSD, pos_BS, None, cache, routing, use_reentrant=False)
+            else:
+                out_BSD = block(x_BSD, pos_BS, None, cache, routing)
             # A plain Block returns its residual update; a routing wrapper returns the new stream.
             x_BSD = x_BSD + out_BSD if isinstance(block, Block) else out_BSD
         logits_BSV = self.head(self.norm(x_BSD))
