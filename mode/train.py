@@ -173,7 +173,7 @@ class Trainer:
             if sched:
                 note = (f"schedule changed at resumed step {self.step}: "
                         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sched.items())
-                        + f"; the LR is recomputed for the new schedule from here (train.allow_schedule_change)")
+                        + "; the LR is recomputed for the new schedule from here (train.allow_schedule_change)")
                 print(note, flush=True)
                 self.log.note("schedule_change", note, self.step)
 

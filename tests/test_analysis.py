@@ -323,7 +323,7 @@ def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
         {"mean": 2.1, "std": float(np.std([2.0, 2.2], ddof=1)), "n": 2})
     assert summary[by_path["b"][0]]["eval_loss"]["mean"] == 5.0 and summary[by_path["c"][0]]["eval_loss"]["n"] == 1
     assert by_path["b"][1]["config_diff"] == {"train.max_steps": 2, "world_size": 1}
-    assert by_path["c"][1]["config_diff"] == {"train.max_steps": 200, "world_size": 2}
+    assert by_path["c"][1]["config_diff"] == {"train.max_steps": 300, "world_size": 2}  # the preset's steps
     md = (out / "report.md").read_text()
     assert "do not share one config" in md and "`b/dense_seed0`" in md and "`train.max_steps`" in md
     assert "| `dense_seed0` | `c/dense_seed0` | `dense#3` |" in md

@@ -3,7 +3,6 @@ activation checkpointing. The slow tests drive the real CLI and DeepSpeed launch
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
@@ -44,8 +43,11 @@ def tb_text(run: Path) -> dict[str, list[str]]:
         for tag in ea.Tags()["tensors"]:
             vals = [e.tensor_proto.string_val[0].decode() for e in ea.Tensors(tag) if e.tensor_proto.string_val]
             out.setdefault(tag, []).extend(vals)
-        if "hparams" in ea.PluginTagToContent("hparams") or ea.PluginTagToContent("hparams"):
-            out.setdefault("_hparams", []).append("yes")
+        try:
+            if ea.PluginTagToContent("hparams"):
+                out.setdefault("_hparams", []).append("yes")
+        except KeyError:  # no hparams in this file
+            pass
     return out
 
 
@@ -233,7 +235,7 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path):
     args = ["--config", CFG, *TINY, *STEPS, f"run.dir={run}"]
     r = mode_cli("train", *args, "train.stop_at=2")
     m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", r.stdout, flags=re.M)
-    assert m and "stop_at" not in m.group(1), r.stdout
+    assert m and "train.stop_at" not in m.group(1), r.stdout
     assert f"run.dir={run}" in m.group(1)
 
     before = snapshot(run)
@@ -299,25 +301,40 @@ def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
              f"run.dir={run}")
     offline = sorted((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list((run / "wandb").iterdir())
-    files = {p.name for p in offline[0].rglob("*")}
-    assert any(f.endswith(".wandb") for f in files), files
-    assert "config.yaml" in files
-    cfg = (next(offline[0].rglob("config.yaml"))).read_text()
-    assert "max_steps" in cfg
-    # the W&B history file carries the logged metrics: read it back with wandb's own reader
-    from wandb.sdk.internal import datastore
-
-    ds = datastore.DataStore()
-    ds.open_for_scan(str(next(offline[0].glob("*.wandb"))))
-    from wandb.proto import wandb_internal_pb2
-
-    steps = []
-    while (data := ds.scan_data()) is not None:
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
-        if rec.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+    logs = list(offline[0].glob("*.wandb"))
+    assert len(logs) == 1
+    config, loss = {}, {}
+    for rec in wandb_records(logs[0]):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":  # the resolved config given at init
+            config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+        elif kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
             if "train/loss" in items:
-                steps.append(int(items["_step"]))
-    assert steps == [2, 4, 6]
-    assert not math.isnan(scalars(run, "train/loss")[6])
+                loss[rec.history.step.num] = items["train/loss"]
+    assert config["train"]["max_steps"] == 6 and config["model"]["d_model"] == 32
+    tb = scalars(run, "train/loss")
+    assert list(loss) == list(tb) == [2, 4, 6]
+    assert all(loss[s] == pytest.approx(tb[s], rel=1e-6) for s in tb)
+
+
+def wandb_records(path: Path):
+    """Records of a W&B transaction log (.wandb): W&B's leveldb-log framing of protobuf Records,
+    read here without wandb's own reader (recent wandb ships it in Go only)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block = Path(path).read_bytes(), 32768
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    pos, buf = 7, b""  # 7-byte file header: ident, magic, version
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]  # after a 4-byte CRC
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a whole record
+            rec = Record()
+            rec.ParseFromString(buf)
+            yield rec
+            buf = b""
