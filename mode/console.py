@@ -36,7 +36,8 @@ def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak:
         routing.append(f"MoE layers {moe}: {m.moe.num_experts} experts"
                        + (f" + {m.moe.num_noop_experts} no-op" if m.moe.num_noop_experts else "")
                        + f", top-{m.moe.top_k}, capacity factor {m.moe.capacity_factor}, backend {m.moe.backend}")
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0)) or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
+    nodes = max(1, world // local)
     gbatch = t.micro_batch_size * t.grad_accum * world
     lines = [
         f"run {cfg.run.name or cfg.run.dir} in {cfg.run.dir}"
@@ -51,7 +52,8 @@ def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak:
         f"= {gbatch * d.seq_len:,} tokens per step; {t.max_steps} steps"
         + (f" (stop_at {t.stop_at})" if t.stop_at else "")
         + f"; lr {cfg.optim.lr} warmup {cfg.optim.warmup_steps} cosine to x{cfg.optim.min_lr_ratio}",
-        f"world    {world} rank(s) on {nodes} node(s), device {device.type}, {cfg.deepspeed.precision}, "
+        f"world    {world} rank(s) on {nodes} node(s) ({local} per node), device {device.type}, "
+        f"{cfg.deepspeed.precision}, "
         f"ZeRO {cfg.deepspeed.zero_stage}, ep_size {m.moe.ep_size}, activation checkpointing "
         f"{t.activation_checkpointing}",
     ]

@@ -54,7 +54,7 @@ def runs_dir(tmp_path_factory) -> Path:
     train("configs/tiny/dense.yaml", dense, 12)
     shutil.rmtree(dense / "checkpoints" / "step_00000012")
     (dense / "DONE").unlink()
-    train("configs/tiny/dense.yaml", dense, 16)
+    train("configs/tiny/dense.yaml", dense, 16, "train.allow_schedule_change=true")  # a longer schedule, on purpose
     train("configs/tiny/dense.yaml", root / "dense_seed1", 12, "train.seed=1")
     for variant, overrides in VARIANT_OVERRIDES.items():
         if (ROOT / f"configs/tiny/{variant}.yaml").is_file():
