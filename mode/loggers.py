@@ -54,7 +54,10 @@ class Loggers:
         self.tb.add_text("config", "```yaml\n" + text + "```", 0)  # markdown: keep the YAML layout
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                    for k, v in _flat(cfg.to_dict()).items()}
-        self.tb.add_hparams(hparams, {}, run_name=".")  # "." = this run's own event file, not a sub-run
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        for summary in hparams_summary(hparams, {}):  # into this run's event file (add_hparams opens another)
+            self.tb.file_writer.add_summary(summary)
         if self.wandb is not None:
             self.wandb.config.update(extra, allow_val_change=True)
 

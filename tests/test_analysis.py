@@ -5,7 +5,7 @@ The session fixture trains, in a temporary RUNS_DIR:
                removed (a crash after logging step 12 but before saving it) and the run is
                resumed to step 16: it restarts from step 6 and re-logs steps 8..12 into a
                second event file, which the reader must merge (latest write wins);
-  dense_seed1  another seed, so the table shows a spread over seeds;
+  dense_seed1  another seed (16 steps: a seed of the same config), so the table shows a spread over seeds;
   mod_seed0, mode_integrated_seed0
                depth routing and integrated MoDE (their tiny presets, or the dense one with
                overrides while the presets do not exist), with routing dumps.
@@ -55,7 +55,7 @@ def runs_dir(tmp_path_factory) -> Path:
     shutil.rmtree(dense / "checkpoints" / "step_00000012")
     (dense / "DONE").unlink()
     train("configs/tiny/dense.yaml", dense, 16, "train.allow_schedule_change=true")  # a longer schedule, on purpose
-    train("configs/tiny/dense.yaml", root / "dense_seed1", 12, "train.seed=1")
+    train("configs/tiny/dense.yaml", root / "dense_seed1", 16, "train.seed=1")  # the same schedule as seed 0
     for variant, overrides in VARIANT_OVERRIDES.items():
         if (ROOT / f"configs/tiny/{variant}.yaml").is_file():
             train(f"configs/tiny/{variant}.yaml", root / f"{variant}_seed0", 12)
