@@ -22,6 +22,8 @@ setup(
         "dev": ["pytest>=7", "pytest-timeout"],
         # GPU nodes only: MegaBlocks pins its own torch and needs CUDA extensions.
         "megablocks": ["megablocks>=0.10", "grouped_gemm"],
+        # Weights & Biases logger (log.wandb=true); works offline (log.wandb_mode=offline).
+        "wandb": ["wandb>=0.16"],
     },
     entry_points={"console_scripts": ["mode=mode.cli:main"]},
 )

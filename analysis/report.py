@@ -27,7 +27,23 @@ import numpy as np
 
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, group_by_variant, load_runs,
-                         variant_colors)
+                         variant_colors, variant_sort_key)
+
+
+class NoRuns(ValueError):
+    """The directory holds no run directories."""
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(Path(path).relative_to(root)) or "."
+    except ValueError:
+        return str(path)
+
+
+def _last_log_steps(runs: list[Run]) -> str:
+    steps = sorted({r.series("train/loss")[0][-1] for r in runs if r.series("train/loss")[0].size})
+    return ", ".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}..{steps[-1]}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,6 +114,8 @@ METRICS: list[Metric] = [
     Metric("flops_per_token", "fwd FLOPs/token", forward_flops_per_token, _si, constant=True),
     Metric("tokens_per_s", "tokens/s", lambda r: median_after_warmup(r, "perf/tokens_per_s"), _rate),
     Metric("step_time_s", "step time (s)", lambda r: median_after_warmup(r, "perf/step_time_s"), lambda x: f"{x:.4g}"),
+    Metric("mfu", "MFU", lambda r: median_after_warmup(r, "perf/mfu"), lambda x: f"{x:.2%}"),
+    Metric("memory_gb", "peak mem (GB)", lambda r: r.last("perf/memory_gb"), lambda x: f"{x:.3g}"),
     Metric("dropped_tokens_frac", "dropped tokens", lambda r: layer_mean_of_last(r, "moe", "dropped_tokens_frac"),
            lambda x: f"{x:.2%}"),
     Metric("noop_frac", "no-op", lambda r: layer_mean_of_last(r, "moe", "noop_frac"), lambda x: f"{x:.2%}"),
@@ -108,8 +126,8 @@ METRICS: list[Metric] = [
 def run_summary(run: Run) -> dict:
     """{metric key: value or None} plus identity and progress of one run."""
     steps = [pts[-1].step for pts in run.scalars.values() if pts]
-    out = {"run": run.name, "variant": run.variant, "seed": run.seed, "done": run.done,
-           "last_step": max(steps) if steps else None}
+    out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
+           "last_step": max(steps) if steps else None, "config_diff": run.config_diff}
     for m in METRICS:
         v = m.reduce(run)
         out[m.key] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
@@ -211,22 +229,26 @@ def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
                       "time": lambda s: elapsed_at(run, s)}[x](steps)
                 if xs is None:
                     continue
+                if x == "flops":  # the step-0 eval sits at 0 FLOPs, which a log axis cannot show
+                    keep = xs > 0
+                    xs, loss = xs[keep], loss[keep]
                 label = f"{variant} ({tag.split('/')[0]})" if i == 0 else None
                 ax.plot(xs, loss, color=colors[variant], label=label, ls="-" if run.seed % 2 == 0 else "--", **style)
                 drew = True
     if not drew:
         plt.close(fig)
         return None
-    ax.set_xlabel({"step": "optimizer step", "flops": "training FLOPs (3 × forward FLOPs/token × tokens)",
+    ax.set_xlabel({"step": "optimizer step",
+                   "flops": "training FLOPs (3 × forward FLOPs/token × tokens; log scale, step 0 not shown)",
                    "time": "training wall-clock (s, perf/elapsed_s)"}[x])
     if x == "flops":
         ax.set_xscale("log")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss vs {x} (eval: markers, train: faint; seeds: line styles)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a curve
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -306,7 +328,8 @@ Panel = tuple  # (data {variant: {layer: value}}, ylabel, title[, overlay {varia
 
 def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str], ylabel: str, title: str,
                   overlay: dict[str, dict[int, float]] | None = None) -> None:
-    """Bars per (layer, variant); `overlay` values drawn as black diamonds on the same slots."""
+    """Bars per (layer, variant); `overlay` values drawn as diamonds (the variant's colour, black edge)
+    on the same slots."""
     overlay = overlay or {}
     variants = list(dict.fromkeys([*data, *overlay]))
     layers = sorted({i for d in (*data.values(), *overlay.values()) for i in d})
@@ -320,8 +343,8 @@ def _grouped_bars(ax, data: dict[str, dict[int, float]], colors: dict[str, str],
             ax.bar(xs(j, data[variant]), list(data[variant].values()), width=width, color=colors[variant],
                    label=variant)
         if variant in overlay:
-            ax.plot(xs(j, overlay[variant]), list(overlay[variant].values()), "D", color="k", ms=5,
-                    label="causal routing" if j == variants.index(next(iter(overlay))) else None)
+            ax.plot(xs(j, overlay[variant]), list(overlay[variant].values()), "D", color=colors[variant],
+                    mec="k", ms=6, label=f"{variant} (causal routing)")
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels([str(i) for i in layers])
     ax.set_xlabel("layer")
@@ -340,9 +363,14 @@ def plot_per_layer(panels: list[Panel], colors: dict[str, str], path: Path) -> P
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (data, ylabel, title, *overlay) in zip(axes[0], panels):
         _grouped_bars(ax, data, colors, ylabel, title, overlay[0] if overlay else None)
-    axes[0][0].legend(fontsize=7)
+    handles = {}
+    for ax in axes[0]:  # one key for all panels, below them, so no bar is hidden
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=min(4, len(handles)), frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -400,30 +428,40 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     out_dir defaults to RUNS_DIR/report. An isoFLOP section is added when the runs form an
     isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are clustered."""
     runs_dir = Path(runs_dir)
+    runs = load_runs(runs_dir)
+    if not runs:  # before anything is written
+        raise NoRuns(f"no run directories under {runs_dir} (a run directory holds tb/ or run_info.json); "
+                     "nothing written")
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     import matplotlib
 
     matplotlib.use("Agg")
 
-    runs = load_runs(runs_dir)
     table = variant_table(runs)
     lines = [f"# Comparison report: `{runs_dir}`", ""]
-    if not runs:
-        lines.append("No run directories found (a run directory holds tb/ or run_info.json).")
-        path = out_dir / "report.md"
-        path.write_text("\n".join(lines) + "\n")
-        return path
     unfinished = [r.name for r in runs if not r.done]
     lines += [f"{len(runs)} runs, {len(table)} variants."
               + (f" Still running or interrupted (no DONE): {', '.join(unfinished)}." if unfinished else ""), ""]
 
+    split: dict[str, list[Run]] = {}
+    for r in sorted((r for r in runs if r.config_diff), key=lambda r: (variant_sort_key(r.variant), str(r.path))):
+        split.setdefault(r.variant.partition("#")[0], []).append(r)
+    for name, group in split.items():
+        keys = list(group[0].config_diff)
+        lines += [f"**Runs named `{name}` do not share one config**: each config is its own variant "
+                  f"(`{name}#k`), never averaged with the others. The keys that differ:", "",
+                  "| variant | run | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
+        lines += [f"| `{r.variant}` | `{_rel(r.path, runs_dir)}` | " + " | ".join(str(r.config_diff[k]) for k in keys)
+                  + " |" for r in group]
+        lines.append("")
     lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
               "Eval losses are the last evaluation; tokens/s and step time are medians over logged points "
               "without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, or of the router's sign rule without one). "
               "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
-              "top-k routing.", ""]
+              "top-k routing. MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "
+              "run_info.json); peak mem: the last perf/memory_gb.", ""]
 
     lines += ["## Loss curves", ""]
     for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):
@@ -441,8 +479,12 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     pct = lambda x: f"{x:.1%}"  # noqa: E731
     lines += ["## Per-layer routing", ""]
     if processed:
+        src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
+                    "logs": "the training logs (MoD capacity × (1 − last logged no-op fraction))"}
         lines += ["Fraction of tokens each block processes: "
-                  + ", ".join(f"`{v}` from {src}" for v, (_, src) in processed.items()) + ".", ""]
+                  + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items()) + ". "
+                  "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
+                  f"(step {_last_log_steps(runs)}, training batches), not the eval batch.", ""]
     fig = plot_per_layer([(processed_data, "fraction of tokens processed",
                            "per layer: bars top-k, diamonds causal routing", causal)],
                          colors, out_dir / "routing_per_layer.png")
@@ -472,12 +514,13 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     if iso:
         lines += iso
 
-    lines += ["## Runs", "", "| run | variant | seed | last step | done | eval loss |", "|---|---|---|---|---|---|"]
+    lines += ["## Runs", "", "| run | path | variant | seed | last step | done | eval loss |",
+              "|---|---|---|---|---|---|---|"]
     for row in table.values():
         for s in row["runs"]:
             ev = "—" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"
-            lines.append(f"| `{s['run']}` | `{s['variant']}` | {s['seed']} | {s['last_step']} | "
-                         f"{'yes' if s['done'] else 'no'} | {ev} |")
+            lines.append(f"| `{s['run']}` | `{_rel(Path(s['path']), runs_dir)}` | `{s['variant']}` | {s['seed']} | "
+                         f"{s['last_step']} | {'yes' if s['done'] else 'no'} | {ev} |")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     (out_dir / "summary.json").write_text(json.dumps(summary_json(table), indent=2))
@@ -507,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
     from analysis.isoflop import load_budgets
 
-    path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
+    try:
+        path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
+    except NoRuns as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

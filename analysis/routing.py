@@ -9,13 +9,14 @@ of the routing decisions for one sample sequence, labelled with its characters.
 Dump layout (written by the trainer with log.routing_dump=true), shape legend L layers,
 B batch rows, S positions:
     input_ids LongTensor[B, S]; engaged BoolTensor[L, B, S] (depth-routed-out tokens and no-op
-    expert routes count as not engaged); entropy FloatTensor[B, S] (nats); text list[str].
+    expert routes count as not engaged); entropy FloatTensor[B, S] (nats); text list[str];
+    tokens list[list[str]] (each token decoded alone: heatmap labels for any tokenizer; optional).
 """
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ class RoutingDump:
     engaged_LBS: np.ndarray  # bool [L, B, S]
     entropy_BS: np.ndarray  # float64 [B, S], nats
     text: list[str]
+    tokens: list[list[str]] = field(default_factory=list)
 
     @property
     def n_layers(self) -> int:
@@ -48,7 +50,7 @@ def load_dump(path: str | Path) -> RoutingDump:
         raise ValueError(f"{path}: inconsistent shapes input_ids {ids.shape}, engaged {engaged.shape} "
                          f"(expected [L, *input_ids]), entropy {entropy.shape}")
     text = list(d.get("text") or [])
-    return RoutingDump(ids, engaged, entropy, text)
+    return RoutingDump(ids, engaged, entropy, text, [list(r) for r in d.get("tokens") or []])
 
 
 def try_load_dump(path: str | Path) -> RoutingDump | None:
@@ -114,6 +116,15 @@ def token_labels(ids_S: np.ndarray, byte_tokens: bool) -> list[str]:
     return out
 
 
+def text_labels(pieces: list[str], max_chars: int = 8) -> list[str]:
+    """Labels from per-token text (any tokenizer): whitespace made visible, long pieces cut."""
+    out = []
+    for t in pieces:
+        t = "".join(_VISIBLE.get(c, c) for c in t) or "∅"
+        out.append(t if len(t) <= max_chars else t[:max_chars - 1] + "…")
+    return out
+
+
 def looks_like_bytes(dump: RoutingDump) -> bool:
     return dump.input_ids_BS.size > 0 and 0 <= dump.input_ids_BS.min() and dump.input_ids_BS.max() <= BYTE_EOS_ID
 
@@ -171,21 +182,35 @@ def plot_routing_heatmap(dump: RoutingDump, path: str | Path, row: int = 0, star
     fig, (ax_map, ax_ent) = plt.subplots(2, 1, figsize=(max(6.0, 0.16 * W + 1.5), 1.2 + 0.35 * L + 1.4),
                                          sharex=True, gridspec_kw={"height_ratios": [max(L, 2), 2]})
     ax_map.imshow(eng_LW, aspect="auto", cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest")
+    from matplotlib.patches import Patch
+
+    cmap = plt.get_cmap("Blues")
+    ax_map.legend(handles=[Patch(color=cmap(1 / 1.25), label="processed by the block"),
+                           Patch(facecolor=cmap(0.0), edgecolor="0.6",
+                                 label="skipped (depth-routed out, no-op expert or dropped route)")],
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     ax_map.set_yticks(range(L))
     ax_map.set_yticklabels([f"layer {i}" for i in range(L)], fontsize=7)
     ax_map.set_title(title or f"routing decisions, row {row}, positions {start}..{stop - 1} (dark = processed)",
                      fontsize=9)
     ax_ent.bar(range(W), dump.entropy_BS[row, start:stop], color="tab:orange", width=0.8)
-    ax_ent.set_ylabel("entropy", fontsize=7)
+    ax_ent.set_ylabel("prediction\nentropy (nats)", fontsize=7)
     ax_ent.set_xlim(-0.5, W - 0.5)
     if W <= 128:
         ax_ent.set_xticks(range(W))
-        labels = token_labels(dump.input_ids_BS[row, start:stop], byte_tokens)
+        pieces = dump.tokens[row][start:stop] if row < len(dump.tokens) else []
+        if byte_tokens or len(pieces) != W:
+            labels = token_labels(dump.input_ids_BS[row, start:stop], byte_tokens)
+            unit = "characters" if byte_tokens else "token ids"
+        else:
+            labels, unit = text_labels(pieces), "tokens"
         ax_ent.set_xticklabels(labels, fontsize=7, family="monospace", rotation=0 if byte_tokens else 90)
-    ax_ent.set_xlabel("position" + (" (characters)" if byte_tokens else " (token ids)"))
+        ax_ent.set_xlabel(f"position ({unit})")
+    else:
+        ax_ent.set_xlabel("position")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # keep the key right of the map
     plt.close(fig)
     return path
 

@@ -62,6 +62,8 @@ class Run:
     config: dict = field(default_factory=dict)
     scalars: dict[str, list[Point]] = field(default_factory=dict)
     done: bool = False
+    config_diff: dict = field(default_factory=dict)
+    """Set when other runs share this run's name with another config: the keys that differ, with this run's values."""
 
     @property
     def name(self) -> str:
@@ -217,7 +219,52 @@ def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
 
 
 def load_runs(runs_dir: str | Path) -> list[Run]:
-    return [load_run(p) for p in find_run_dirs(runs_dir)]
+    return separate_configs([load_run(p) for p in find_run_dirs(runs_dir)])
+
+
+# What a run measures does not depend on its seed, where it lives, or how often it logs and saves;
+# everything else (model, data, tokenizer, steps, batch, optimizer, precision) and the world size do.
+NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.stop_at", "train.log_every",
+                "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_signature(run: Run) -> dict:
+    """The run's resolved config minus seed/run/logging keys, plus its world size."""
+    sig = {k: v for k, v in _flat(run.config).items() if not k.startswith(NOT_COMPARED)}
+    if "world_size" in run.info:
+        sig["world_size"] = run.info["world_size"]
+    return sig
+
+
+def separate_configs(runs: list[Run]) -> list[Run]:
+    """Runs named alike (`run.name`) are seeds of one variant only if their configs agree; otherwise
+    each config becomes its own variant `<name>#1`, `<name>#2`, ... (first by path) and its runs get
+    `config_diff`, the keys in which the configs differ, so a report never averages unlike runs."""
+    by_name: dict[str, list[Run]] = {}
+    for r in runs:
+        by_name.setdefault(r.variant, []).append(r)
+    for name, group in by_name.items():
+        sigs = [config_signature(r) for r in group]
+        keys = [json.dumps(sorted(s.items()), default=str) for s in sigs]
+        distinct = list(dict.fromkeys(keys))
+        if len(distinct) < 2:
+            continue
+        all_keys = sorted({k for s in sigs for k in s})
+        differing = [k for k in all_keys if len({json.dumps(s.get(k), default=str) for s in sigs}) > 1]
+        for r, s, key in zip(group, sigs, keys):
+            r.variant = f"{name}#{distinct.index(key) + 1}"
+            r.config_diff = {k: s.get(k) for k in differing}
+    return runs
 
 
 def to_rows(runs: list[Run]) -> list[Row]:
@@ -237,8 +284,10 @@ VARIANT_ORDER = ("dense", "mod", "moe", "moe_dropping", "mode_staged", "mode_int
 
 
 def variant_sort_key(name: str):
-    """Baselines first in the order the comparison reads, then anything else alphabetically."""
-    return (VARIANT_ORDER.index(name), "") if name in VARIANT_ORDER else (len(VARIANT_ORDER), name)
+    """Baselines first in the order the comparison reads, then anything else alphabetically;
+    `dense#2` (a same-named run with another config) sorts with `dense`."""
+    base, _, n = name.partition("#")
+    return (VARIANT_ORDER.index(base), "", n) if base in VARIANT_ORDER else (len(VARIANT_ORDER), base, n)
 
 
 def forward_flops_per_token(run: Run) -> float | None:

@@ -526,9 +526,20 @@ def _run_all(a, exp: Experiment, runs: list[Run], env: dict, log, lock) -> int:
     except ImportError as e:
         log(f"warning: the analysis package is not importable ({e}); runs are in {exp.runs_dir}, no report")
         return 1
+    print(summary_section(path), flush=True)  # the table on the console, not only in the file
     print(f"report: {path}", flush=True)
     lock.release()
     return 0
+
+
+def summary_section(report_md: Path) -> str:
+    """The report's summary table (its first section), as printed at the end of `mode compare`."""
+    text = Path(report_md).read_text()
+    start = text.find("## Summary per variant")
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None].strip()
 
 
 if __name__ == "__main__":

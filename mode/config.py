@@ -303,6 +303,10 @@ class TrainConfig:
     """With `skip`: stop after this many non-finite steps in a row."""
     compile: bool = False
     """torch.compile each block (per-block, as torchtitan); off until it is faster everywhere it runs (benchmarks/RESULTS.md)."""
+    activation_checkpointing: str = "none"
+    """`none`, or `block`: keep only each block's input for backward and recompute the block (less activation memory, ~1 extra forward)."""
+    allow_schedule_change: bool = False
+    """Resume a run whose LR schedule changes (train.max_steps, optim.lr, warmup, min_lr_ratio): the schedule is recomputed for the new values from the resumed step on, and the change is printed and logged; without it such a resume is refused."""
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
@@ -311,6 +315,8 @@ class TrainConfig:
         _check(self.stop_at >= 0, "train.stop_at", self.stop_at, ">= 0")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.nonfinite in ("skip", "stop"), "train.nonfinite", self.nonfinite, "skip or stop")
+        _check(self.activation_checkpointing in ("none", "block"), "train.activation_checkpointing",
+               self.activation_checkpointing, "none or block")
 
 
 @dataclass
@@ -358,9 +364,27 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     progress: bool = True
-    """tqdm progress bar on rank 0."""
+    """tqdm progress bar on rank 0 when stdout is a terminal; otherwise (or when false) one plain line per log interval."""
     routing_dump: bool = False
     """At the end, write per-token routing decisions of one eval batch to run.dir/routing.pt."""
+    wandb: bool = False
+    """Also log to Weights & Biases (optional extra: `pip install -e '.[wandb]'`); TensorBoard and run.dir/metrics.jsonl are always written."""
+    wandb_project: str = "mode"
+    """W&B project name."""
+    wandb_mode: str = "online"
+    """W&B mode: `online`, or `offline` (no network; files under run.dir/wandb, upload later with `wandb sync`)."""
+
+    def validate(self) -> None:
+        _check(self.wandb_mode in ("online", "offline"), "log.wandb_mode", self.wandb_mode, "online or offline")
+
+
+@dataclass
+class PerfConfig:
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device that perf/mfu divides by; 0 = the datasheet value for A100/H100/H200 at deepspeed.precision, on CPU a matmul measured at start."""
+
+    def validate(self) -> None:
+        _check(self.peak_tflops >= 0, "perf.peak_tflops", self.peak_tflops, ">= 0 (0 = automatic)")
 
 
 @dataclass
@@ -405,7 +429,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence."""
     log: LogConfig = field(default_factory=LogConfig)
-    """Progress and dumps."""
+    """Progress, loggers and dumps."""
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    """Efficiency metrics (MFU)."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """Engine options."""
     run: RunConfig = field(default_factory=RunConfig)

@@ -76,3 +76,59 @@ class TBWriter:
     def close(self) -> None:
         if self.w is not None:
             self.w.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Efficiency: model FLOPs utilisation against a per-device peak.
+
+TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward), the convention of analysis/report.py
+
+# Dense peak TFLOP/s per device from the vendors' datasheets (SXM parts; bf16 tensor cores without
+# sparsity, fp32 = plain FP32 without TF32).
+PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp32": 67.0}, "H100": {"bf16": 989.0, "fp32": 67.0},
+               "A100": {"bf16": 312.0, "fp32": 19.5}}
+
+
+def measure_matmul_tflops(seconds: float = 0.3, n: int = 512, dtype=torch.float32) -> float:
+    """fp32 matmul TFLOP/s of this process (its threads) on the CPU: the peak MFU is measured
+    against when no datasheet value applies. The best of ~10 short windows, so that other jobs
+    on a shared machine lower it less."""
+    import time
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while True:
+        t0, reps = time.perf_counter(), 0
+        while (dt := time.perf_counter() - t0) < seconds / 10:
+            a @ b
+            reps += 1
+        best = max(best, 2 * n**3 * reps / dt / 1e12)
+        if time.perf_counter() >= t_end:
+            return best
+
+
+def default_peak_tflops(precision: str) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where it comes from) for this process's device."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for gpu, peaks in PEAK_TFLOPS.items():
+            if gpu in name:
+                return peaks[precision], f"{gpu} {precision} datasheet"
+        return float("nan"), f"unknown GPU {name!r}: set perf.peak_tflops"
+    return measure_matmul_tflops(), f"measured fp32 matmul ({torch.get_num_threads()} threads)"
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocated tensors on CUDA, resident set size (ru_maxrss) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def efficiency(tokens_per_s: float, forward_flops_per_token: float, world: int, peak_tflops: float) -> dict:
+    """Training TFLOP/s per device and MFU from the global token rate and the analytic FLOPs."""
+    tflops = TRAIN_FLOPS_PER_FORWARD_FLOP * forward_flops_per_token * tokens_per_s / world / 1e12
+    return {"perf/tflops_per_device": tflops, "perf/mfu": tflops / peak_tflops}

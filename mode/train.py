@@ -19,18 +19,23 @@ import yaml
 
 from mode import engine as eng
 from mode import checkpoint as ckpt
-from mode import rundir
+from mode import console, rundir
 from mode.config import Config, ConfigError, dump_config, load_config
 from mode.data import DataModule, check_data
 from mode.flops import count as count_flops
-from mode.metrics import Accumulator, TBWriter
+from mode.loggers import Loggers
+from mode.metrics import TRAIN_FLOPS_PER_FORWARD_FLOP, Accumulator, default_peak_tflops, efficiency, memory_gb
 from mode.model import build_model
 from mode.plan import has_depth_routing, has_moe, layer_plan
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
-                  "model.moe.ep_size", "data.num_workers", "data.prepared_dir", "data.shard_tokens")
+                  "model.moe.ep_size", "data.num_workers", "data.prepared_dir", "data.shard_tokens",
+                  "train.activation_checkpointing", "train.allow_schedule_change", "perf.")
+# Keys the LR schedule is computed from (mode/engine.py lr_lambda): changing one on resume
+# recomputes the schedule at the resumed step, so it needs train.allow_schedule_change.
+SCHEDULE_KEYS = ("train.max_steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio")
 
 
 class NonFiniteError(RuntimeError):
@@ -53,6 +58,12 @@ def config_diff(old: dict, new: dict) -> list[str]:
             if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
 
 
+def schedule_diff(old: dict, new: dict) -> dict[str, tuple]:
+    """{key: (saved, new)} for the schedule keys that differ."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in SCHEDULE_KEYS if a.get(k) != b.get(k)}
+
+
 def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     """Refuse a run directory written by an incompatible config (before any worker starts).
     Returns the saved config dict when resuming."""
@@ -68,6 +79,15 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml is {what}, so the run cannot be "
                           "resumed; pass run.fresh=true to start over or use another run.dir")
     diff = config_diff(old, cfg.to_dict())
+    sched = schedule_diff(old, cfg.to_dict())
+    if cfg.train.allow_schedule_change:
+        diff = [d for d in diff if d.split(":")[0] not in sched]
+    elif sched and ckpt.latest(Path(cfg.run.dir) / "checkpoints") is not None:
+        key, (was, now) = next(iter(sched.items()))
+        raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
+                          "its LR schedule depends on it (resuming would recompute the schedule at the resumed "
+                          "step); use train.stop_at to time-box a run, pass train.allow_schedule_change=true to "
+                          "change the schedule, or use another run.dir")
     if diff:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
@@ -105,6 +125,32 @@ def preflight(cfg: Config, lock: bool = True) -> dict | None:
     return check_run_dir(cfg, lock)
 
 
+def check_world(cfg: Config, world: int) -> None:
+    """A checkpoint holds per-rank RNG states and a data position counted in global batches of its
+    world size: resuming it at another world size would not continue the same run. Refused."""
+    info = Path(cfg.run.dir) / "run_info.json"
+    if cfg.run.fresh or not info.exists() or ckpt.latest(Path(cfg.run.dir) / "checkpoints") is None:
+        return
+    saved = json.loads(info.read_text()).get("world_size", world)
+    if saved != world:
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
+                          f"has world size {world}: resume it with {saved} process(es), or start over with "
+                          "run.fresh=true or another run.dir")
+
+
+def finished(cfg: Config) -> str | None:
+    """A message when run.dir holds this run already finished (DONE at train.max_steps), else None."""
+    run_dir = Path(cfg.run.dir)
+    last = ckpt.latest(run_dir / "checkpoints")
+    if cfg.run.fresh or not (run_dir / "DONE").exists() or last is None:
+        return None
+    step = int(last.name.split("_")[1])
+    if step < cfg.train.max_steps:
+        return None
+    return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
+            "run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues")
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.rank, self.world = eng.init_distributed()
@@ -112,6 +158,7 @@ class Trainer:
         self.cfg, self.dev = cfg, eng.device()
         self.run_dir = Path(cfg.run.dir)
         saved = preflight(cfg)  # every rank reads the saved config before rank 0 replaces it
+        check_world(cfg, self.world)
         self._barrier()
         self.lock = None
         if self.rank == 0:
@@ -125,6 +172,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # identical init on every rank
         self.data = DataModule(cfg.data, self.rank, self.world)
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
+        self.model.activation_checkpointing = cfg.train.activation_checkpointing == "block"
         self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world)
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * self.world * cfg.data.seq_len
@@ -133,13 +181,39 @@ class Trainer:
         self.prev_cfg = saved
         self.acc = Accumulator()  # metric sums not yet logged: checkpointed so the series survives a resume
         self._resume()
-        self.tb = TBWriter(self.run_dir / "tb", self.rank == 0)
+        self.peak_tflops, peak_src = self._peak_tflops()
+        self.log = Loggers(cfg, self.run_dir, self.rank == 0)
         if self.rank == 0:
-            info = {"name": cfg.run.name or self.run_dir.name, "seed": cfg.train.seed,
-                    "params": sum(p.numel() for p in self.model.parameters()),
+            params = sum(p.numel() for p in self.model.parameters())
+            info = {"name": cfg.run.name or self.run_dir.name, "seed": cfg.train.seed, "params": params,
+                    "active_params": console.active_params(cfg, params, self.flops),
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
-                    "world_size": self.world, "tokens_per_step": self.tokens_per_step}
+                    "world_size": self.world, "tokens_per_step": self.tokens_per_step,
+                    "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
             (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1))
+            self.log.log_config(cfg, {"run_info": info})
+            print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, peak_src),
+                                      self.step), flush=True)
+            sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
+            if sched:
+                note = (f"schedule changed at resumed step {self.step}: "
+                        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sched.items())
+                        + "; the LR is recomputed for the new schedule from here (train.allow_schedule_change)")
+                print(note, flush=True)
+                self.log.note("schedule_change", note, self.step)
+
+    def _peak_tflops(self) -> tuple[float, str]:
+        if self.cfg.perf.peak_tflops > 0:
+            return self.cfg.perf.peak_tflops, "perf.peak_tflops"
+        self._barrier()  # on CPU every rank measures at once: ranks share the cores as in training
+        peak, src = default_peak_tflops(self.cfg.deepspeed.precision)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and self.world > 1:
+            t = torch.tensor(peak, dtype=torch.float64, device=self.dev)
+            dist.all_reduce(t)
+            peak = t.item() / self.world
+        return peak, src
 
     def _barrier(self):
         import torch.distributed as dist
@@ -242,20 +316,37 @@ class Trainer:
             return
         if engaged is None:
             engaged = torch.ones(self.cfg.model.n_layers, *x.shape, dtype=torch.bool)
+        tok = self.data.tokenizer
         torch.save({"input_ids": x.cpu(), "engaged": engaged.cpu(), "entropy": entropy.cpu(),
-                    "text": [self.data.tokenizer.decode(r.tolist()) for r in x]}, self.run_dir / "routing.pt")
+                    "text": [tok.decode(r.tolist()) for r in x],
+                    "tokens": [[tok.decode([i]) for i in r.tolist()] for r in x]},  # per-token text for heatmaps
+                   self.run_dir / "routing.pt")
+
+    def _seen(self) -> dict:
+        return {"train/tokens_seen": self.tokens,
+                "train/flops_seen": TRAIN_FLOPS_PER_FORWARD_FLOP * self.flops["forward_flops_per_token"] * self.tokens}
+
+    def _peak_memory_gb(self) -> float:
+        import torch.distributed as dist
+
+        mem = torch.tensor(memory_gb(self.dev), dtype=torch.float64, device=self.dev)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the rank closest to running out
+        return mem.item()
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         acc, last = self.acc, {}
         bar = None
-        if self.rank == 0 and cfg.log.progress:
+        if self.rank == 0 and console.use_bar(cfg.log.progress):
             from tqdm import tqdm
 
             bar = tqdm(total=t.max_steps, initial=self.step, desc=cfg.run.name or self.run_dir.name,
                        dynamic_ncols=True, file=sys.stderr)
+        if self.rank == 0 and self.step < t.max_steps and (self.run_dir / "DONE").exists():
+            (self.run_dir / "DONE").unlink()  # a finished run continued to a longer schedule is not done
         if self.step == 0:  # the starting point of every eval curve
-            self.tb.write(self.evaluate(), 0)
+            self.log.write({**self.evaluate(), **self._seen()}, 0)
         t_log, steps_since = time.perf_counter(), 0
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
         while self.step < end:
@@ -264,27 +355,37 @@ class Trainer:
             done = self.step == end
             # Log and evaluate on the schedule alone (not at stop_at): a stopped-and-resumed run
             # logs the same points, from the same sums, as an uninterrupted one.
+            row = {}  # everything logged at this step: one JSONL line
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 vals = acc.read()  # all-reduce + host sync
                 dt = time.perf_counter() - t_log
                 self.elapsed_s += dt
+                tokens_per_s = self.tokens_per_step * steps_since / dt
                 vals.update({"train/lr": self.sched.get_last_lr()[0],
                              "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                             "train/tokens": self.tokens, "train/skipped_steps": self.engine.skipped_steps,
-                             "perf/step_time_s": dt / steps_since,
-                             "perf/tokens_per_s": self.tokens_per_step * steps_since / dt,
+                             "train/tokens": self.tokens, **self._seen(),
+                             "train/skipped_steps": self.engine.skipped_steps,
+                             "perf/step_time_s": dt / steps_since, "perf/tokens_per_s": tokens_per_s,
                              "perf/flops_per_token": self.flops["forward_flops_per_token"],
-                             "perf/elapsed_s": self.elapsed_s})
-                self.tb.write(vals, self.step)
-                last.update(vals)
+                             **efficiency(tokens_per_s, self.flops["forward_flops_per_token"], self.world,
+                                          self.peak_tflops),
+                             "perf/memory_gb": self._peak_memory_gb(), "perf/elapsed_s": self.elapsed_s})
+                row.update(vals)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{vals['train/loss']:.3f}", tok_s=f"{vals['perf/tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{vals['train/loss']:.3f}", tok_s=f"{vals['perf/tokens_per_s']:.0f}",
+                                    mfu=f"{vals['perf/mfu']:.1%}")
+                elif self.rank == 0:
+                    print(console.progress_line(self.step, t.max_steps, vals), flush=True)
                 t_log, steps_since = time.perf_counter(), 0
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 ev = self.evaluate()
-                self.tb.write(ev, self.step)
-                last.update(ev)
+                row.update({**ev, **self._seen()})
                 t_log = time.perf_counter()  # eval time is not training time
+                if bar is None and self.rank == 0:
+                    print(f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in ev.items()),
+                          flush=True)
+            self.log.write(row, self.step)
+            last.update(row)
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
                 self.save()
                 t_log = time.perf_counter()
@@ -296,14 +397,21 @@ class Trainer:
             self.dump_routing()  # every rank: expert-parallel layers need all ranks in the forward
         if self.rank == 0 and self.step == t.max_steps:
             (self.run_dir / "DONE").write_text(json.dumps(last))
-            print(f"TensorBoard logs: {self.run_dir / 'tb'}", file=sys.stderr)
-        self.tb.close()
+            ev = f", eval loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""
+            print(f"finished at step {self.step}{ev}; TensorBoard: {self.run_dir / 'tb'}, "
+                  f"metrics: {self.run_dir / 'metrics.jsonl'}", flush=True)
+        self.log.close()
         if self.lock is not None:
             self.lock.release()
         return last
 
 
 def train(cfg: Config) -> dict:
+    """Train (or resume) the run in cfg.run.dir; a run that already finished is left untouched."""
+    msg = finished(cfg)
+    if msg:
+        print(msg, flush=True)
+        return json.loads((Path(cfg.run.dir) / "DONE").read_text() or "{}")
     return Trainer(cfg).fit()
 
 
@@ -333,7 +441,18 @@ def _main(argv) -> int:
         if a.print_config:
             print(dump_config(cfg), end="")
             return 0
-        train(cfg)
+        msg = finished(cfg)
+        if msg:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(msg, flush=True)
+            return 0
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        trainer = Trainer(cfg)
+        trainer.fit()
+        end = cfg.train.max_steps
+        if trainer.rank == 0 and trainer.step < end:
+            print(f"stopped at step {trainer.step} of {end} (train.stop_at={cfg.train.stop_at}); the run resumes "
+                  f"from its checkpoint with: {console.continue_command(a.config, a.overrides)}", flush=True)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

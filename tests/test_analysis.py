@@ -5,7 +5,7 @@ The session fixture trains, in a temporary RUNS_DIR:
                removed (a crash after logging step 12 but before saving it) and the run is
                resumed to step 16: it restarts from step 6 and re-logs steps 8..12 into a
                second event file, which the reader must merge (latest write wins);
-  dense_seed1  another seed, so the table shows a spread over seeds;
+  dense_seed1  another seed (16 steps: a seed of the same config), so the table shows a spread over seeds;
   mod_seed0, mode_integrated_seed0
                depth routing and integrated MoDE (their tiny presets, or the dense one with
                overrides while the presets do not exist), with routing dumps.
@@ -54,8 +54,8 @@ def runs_dir(tmp_path_factory) -> Path:
     train("configs/tiny/dense.yaml", dense, 12)
     shutil.rmtree(dense / "checkpoints" / "step_00000012")
     (dense / "DONE").unlink()
-    train("configs/tiny/dense.yaml", dense, 16)
-    train("configs/tiny/dense.yaml", root / "dense_seed1", 12, "train.seed=1")
+    train("configs/tiny/dense.yaml", dense, 16, "train.allow_schedule_change=true")  # a longer schedule, on purpose
+    train("configs/tiny/dense.yaml", root / "dense_seed1", 16, "train.seed=1")  # the same schedule as seed 0
     for variant, overrides in VARIANT_OVERRIDES.items():
         if (ROOT / f"configs/tiny/{variant}.yaml").is_file():
             train(f"configs/tiny/{variant}.yaml", root / f"{variant}_seed0", 12)
@@ -292,8 +292,51 @@ def test_cli(runs_dir, tmp_path):
     assert proc.stdout.strip().endswith("report.md") and (out / "report.md").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert report.main([str(empty)]) == 0
-    assert "No run directories" in (empty / "report" / "report.md").read_text()
+    proc = subprocess.run([sys.executable, "-m", "mode.cli", "analyze", str(empty)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "no run directories" in proc.stderr
+    assert list(empty.iterdir()) == []  # an error writes nothing
+
+
+def _write_run(path: Path, name: str, seed: int, eval_loss: float, world: int = 1, **cfg_over) -> None:
+    """A run directory as the trainer leaves it: config.yaml, run_info.json, tb/ event file, DONE."""
+    import yaml
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mode.config import load_config
+
+    cfg = load_config("configs/tiny/dense.yaml", [f"run.name={name}", f"train.seed={seed}", f"run.dir={path}",
+                                                  *(f"{k.replace('__', '.')}={v}" for k, v in cfg_over.items())])
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (path / "run_info.json").write_text(json.dumps({"name": name, "seed": seed, "world_size": world,
+                                                    "params": 1000, "forward_flops_per_token": 2000,
+                                                    "tokens_per_step": 100}))
+    w = SummaryWriter(str(path / "tb"))
+    w.add_scalar("eval/loss", eval_loss, 10)
+    w.close()
+    (path / "DONE").write_text("{}")
+
+
+def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
+    root = tmp_path / "runs"
+    _write_run(root / "a" / "dense_seed0", "dense", 0, 2.0)
+    _write_run(root / "a" / "dense_seed1", "dense", 1, 2.2)  # a seed of the same config
+    _write_run(root / "b" / "dense_seed0", "dense", 0, 5.0, data__tokenizer="byte", train__max_steps=2)
+    _write_run(root / "c" / "dense_seed0", "dense", 0, 4.0, world=2)
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"dense#1", "dense#2", "dense#3"}
+    by_path = {Path(r["path"]).relative_to(root).parts[0]: (v, r) for v, row in summary.items() for r in row["runs"]}
+    assert by_path["a"][0] == "dense#1" and summary["dense#1"]["eval_loss"] == pytest.approx(
+        {"mean": 2.1, "std": float(np.std([2.0, 2.2], ddof=1)), "n": 2})
+    assert summary[by_path["b"][0]]["eval_loss"]["mean"] == 5.0 and summary[by_path["c"][0]]["eval_loss"]["n"] == 1
+    assert by_path["b"][1]["config_diff"] == {"train.max_steps": 2, "world_size": 1}
+    assert by_path["c"][1]["config_diff"] == {"train.max_steps": 300, "world_size": 2}  # the preset's steps
+    md = (out / "report.md").read_text()
+    assert "do not share one config" in md and "`b/dense_seed0`" in md and "`train.max_steps`" in md
+    assert "| `dense_seed0` | `c/dense_seed0` | `dense#3` |" in md
 
 
 # ----------------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
     assert yaml.safe_load((runs / "mod_seed0" / "config.yaml").read_text())["model"]["mod"]["capacity"] == 0.25
     report = runs / "report" / "report.md"
     assert last_line(r) == f"report: {report}" and "dense" in report.read_text() and "mod" in report.read_text()
+    # the summary table is on the console too, just before the report's path
+    table = r.stdout[r.stdout.index("## Summary per variant"):r.stdout.rindex("report: ")]
+    assert "| `dense` | 1 |" in table and "| `mod` | 1 |" in table and table in report.read_text()
     plan = json.loads((runs / "experiment.json").read_text())
     assert [x["name"] for x in plan["runs"]] == ["dense_seed0", "mod_seed0"]
 

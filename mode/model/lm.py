@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mode.config import ModelConfig
 from mode.mod import MoDBlock
@@ -42,6 +43,8 @@ def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
 
 
 class LM(nn.Module):
+    activation_checkpointing = False  # set by the trainer from train.activation_checkpointing
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -63,7 +66,12 @@ class LM(nn.Module):
         x_BSD = self.embed(input_ids_BS)
         for i, block in enumerate(self.blocks):
             ctx = Ctx(pos_BS, None, caches[i] if caches is not None else None, routing)
-            x_BSD = x_BSD + block(x_BSD, ctx)  # every block returns its residual update
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
+                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False)
+            else:
+                delta_BSD = block(x_BSD, ctx)
+            x_BSD = x_BSD + delta_BSD  # every block returns its residual update
         logits_BSV = self.head(self.norm(x_BSD))
         aux = logits_BSV.new_zeros((), dtype=torch.float32)
         metrics = {}

@@ -1,0 +1,82 @@
+"""What a run prints on rank 0: a start block (config summary, parameters, FLOPs, world layout),
+progress (a tqdm bar on a terminal, else one plain line per log interval, which is what a
+cluster job's log file wants) and how it ended."""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from mode.config import Config, resolve_layers
+
+
+def _si(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def active_params(cfg: Config, total: int, flops: dict) -> int:
+    """Parameters one token can use: an MoE layer contributes top_k of its E experts (at most)."""
+    moe = cfg.model.moe
+    n_moe = len(resolve_layers(moe.layers, cfg.model.n_layers))
+    per_expert = (3 if cfg.model.mlp == "swiglu" else 2) * cfg.model.d_model * (moe.d_expert or cfg.model.d_ff)
+    return total - n_moe * max(0, moe.num_experts - moe.top_k) * per_expert
+
+
+def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak: tuple[float, str],
+                resumed_step: int) -> str:
+    m, t, d = cfg.model, cfg.train, cfg.data
+    mod, moe = resolve_layers(m.mod.layers, m.n_layers), resolve_layers(m.moe.layers, m.n_layers)
+    routing = []
+    if mod:
+        routing.append(f"MoD layers {mod} capacity {m.mod.capacity} ({m.mod.causal} causal)")
+    if moe:
+        routing.append(f"MoE layers {moe}: {m.moe.num_experts} experts"
+                       + (f" + {m.moe.num_noop_experts} no-op" if m.moe.num_noop_experts else "")
+                       + f", top-{m.moe.top_k}, capacity factor {m.moe.capacity_factor}, backend {m.moe.backend}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
+    nodes = max(1, world // local)
+    gbatch = t.micro_batch_size * t.grad_accum * world
+    lines = [
+        f"run {cfg.run.name or cfg.run.dir} in {cfg.run.dir}"
+        + (f" (resuming at step {resumed_step})" if resumed_step else ""),
+        f"model    d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}; "
+        + ("; ".join(routing) or "dense"),
+        f"params   {params:,} total, {active_params(cfg, params, flops):,} active per token",
+        f"FLOPs    {_si(flops['forward_flops_per_token'])} forward per token (training: 3x), "
+        f"peak {peak[0]:.4g} TFLOP/s per device ({peak[1]})",
+        f"data     {d.source}, tokenizer {d.tokenizer}, seq_len {d.seq_len}",
+        f"batch    {t.micro_batch_size} x {t.grad_accum} accum x {world} ranks = {gbatch} sequences "
+        f"= {gbatch * d.seq_len:,} tokens per step; {t.max_steps} steps"
+        + (f" (stop_at {t.stop_at})" if t.stop_at else "")
+        + f"; lr {cfg.optim.lr} warmup {cfg.optim.warmup_steps} cosine to x{cfg.optim.min_lr_ratio}",
+        f"world    {world} rank(s) on {nodes} node(s) ({local} per node), device {device.type}, "
+        f"{cfg.deepspeed.precision}, "
+        f"ZeRO {cfg.deepspeed.zero_stage}, ep_size {m.moe.ep_size}, activation checkpointing "
+        f"{t.activation_checkpointing}",
+    ]
+    return "\n".join(lines)
+
+
+def progress_line(step: int, max_steps: int, vals: dict) -> str:
+    """One plain line per log interval."""
+    parts = [f"step {step}/{max_steps}", f"loss {vals['train/loss']:.4f}", f"lr {vals['train/lr']:.3g}",
+             f"{vals['perf/tokens_per_s']:.0f} tok/s", f"{vals['perf/tflops_per_device']:.3g} TFLOP/s/dev",
+             f"MFU {vals['perf/mfu']:.1%}", f"mem {vals['perf/memory_gb']:.2f} GB",
+             f"elapsed {vals['perf/elapsed_s']:.0f}s"]
+    return " | ".join(parts)
+
+
+def use_bar(progress: bool) -> bool:
+    return progress and sys.stdout.isatty()
+
+
+def continue_command(config: str, overrides: list[str]) -> str:
+    """The command that continues a run stopped by train.stop_at (the same, without stop_at)."""
+    rest = [o for o in overrides if not o.startswith("train.stop_at=")]
+    cmd = shlex.join(["mode", "train", "--config", config, *rest])
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return f"the same launch command without train.stop_at (single process: {cmd})"
+    return cmd

@@ -1,0 +1,116 @@
+"""Where metrics go, on rank 0: TensorBoard (always), run.dir/metrics.jsonl (always) and
+Weights & Biases (`log.wandb`, optional extra `wandb`). Each logged step is one `write` call:
+one JSONL line, one W&B log call, one scalar per tag in TensorBoard.
+
+Tokens and FLOPs as x-axes: TensorBoard has one step axis per tag, so the loss is also logged
+under `<split>/loss_vs_tokens` (step = tokens seen) and `<split>/loss_vs_gflops` (step = training
+GFLOPs seen: FLOPs themselves overflow TensorBoard's int64 step at cluster scale). JSONL and W&B
+rows carry `train/tokens_seen` and `train/flops_seen`, so any column can be the x-axis there.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from mode.config import Config, dump_config
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+class Loggers:
+    """Rank 0 writes; on other ranks every method is a no-op."""
+
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool):
+        self.enabled, self.tb, self.wandb, self.jsonl = enabled, None, None, None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends; readers keep the last line per step
+        if cfg.log.wandb:
+            import wandb  # optional extra: pip install -e '.[wandb]'
+
+            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.run.name or run_dir.name,
+                                    dir=str(run_dir), mode=cfg.log.wandb_mode, config=cfg.to_dict(),
+                                    id=_wandb_id(run_dir), resume="allow")
+
+    def log_config(self, cfg: Config, extra: dict) -> None:
+        """The resolved config to every logger: TensorBoard text + hparams (W&B got it at init)."""
+        if not self.enabled:
+            return
+        text = dump_config(cfg) + yaml.safe_dump(extra, sort_keys=False)
+        self.tb.add_text("config", "```yaml\n" + text + "```", 0)  # markdown: keep the YAML layout
+        hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                   for k, v in _flat(cfg.to_dict()).items()}
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        for summary in hparams_summary(hparams, {}):  # into this run's event file (add_hparams opens another)
+            self.tb.file_writer.add_summary(summary)
+        if self.wandb is not None:
+            self.wandb.config.update(extra, allow_val_change=True)
+
+    def note(self, tag: str, text: str, step: int) -> None:
+        """A text event (e.g. a schedule change on resume) in TensorBoard and W&B."""
+        if not self.enabled:
+            return
+        self.tb.add_text(tag, text, step)
+        if self.wandb is not None:
+            self.wandb.log({tag: text}, step=step)
+
+    def write(self, scalars: dict, step: int) -> None:
+        if not self.enabled or not scalars:
+            return
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        for split in ("train", "eval"):
+            loss = scalars.get(f"{split}/loss")
+            if loss is not None and "train/tokens_seen" in scalars:
+                self.tb.add_scalar(f"{split}/loss_vs_tokens", loss, int(scalars["train/tokens_seen"]))
+                self.tb.add_scalar(f"{split}/loss_vs_gflops", loss, int(scalars["train/flops_seen"] / 1e9))
+        self.tb.flush()
+        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in scalars.items()}}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.tb.close()
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One W&B run per run.dir, also across resumptions: the id is kept in run.dir/wandb_id."""
+    f = run_dir / "wandb_id"
+    if not f.exists():
+        import uuid
+
+        f.write_text(uuid.uuid4().hex[:16])
+    return f.read_text().strip()
+
+
+def read_jsonl(path: str | Path) -> dict[int, dict]:
+    """step -> row of a metrics.jsonl; a resumed run may re-log a step: the last line wins."""
+    out: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[row["step"]] = row
+    return out

@@ -1,0 +1,340 @@
+"""Runs a researcher can read (#15): efficiency metrics, loggers, console, honest resumes,
+activation checkpointing. The slow tests drive the real CLI and DeepSpeed launcher."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.util import ROOT, TINY, deepspeed_train, mode_cli, scalars
+
+CFG = "configs/tiny/dense.yaml"
+STEPS = ["train.max_steps=6", "train.log_every=2", "train.eval_every=3", "optim.warmup_steps=2"]
+
+
+def snapshot(d: Path) -> dict:
+    """Every file below d with its size and modification time: what 'writes nothing' compares."""
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+def tb_tags(run: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted((run / "tb").glob("events.out.tfevents.*")):
+        ea = EventAccumulator(str(f), size_guidance={"scalars": 0, "tensors": 0})
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
+    return out
+
+
+def tb_text(run: Path) -> dict[str, list[str]]:
+    """Text summaries (tag -> strings) and the hparams plugin's presence."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[str]] = {}
+    for f in sorted((run / "tb").glob("events.out.tfevents.*")):
+        ea = EventAccumulator(str(f), size_guidance={"tensors": 0})
+        ea.Reload()
+        for tag in ea.Tags()["tensors"]:
+            vals = [e.tensor_proto.string_val[0].decode() for e in ea.Tensors(tag) if e.tensor_proto.string_val]
+            out.setdefault(tag, []).extend(vals)
+        try:
+            if ea.PluginTagToContent("hparams"):
+                out.setdefault("_hparams", []).append("yes")
+        except KeyError:  # no hparams in this file
+            pass
+    return out
+
+
+def readme_logged_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("### What gets logged")
+    return text[start:text.index("\n## ", start)]
+
+
+def documented_tags() -> set[str]:
+    return set(re.findall(r"^\| `([^`]+)` \|", readme_logged_section(), flags=re.M))
+
+
+def generic(tag: str) -> str:
+    return re.sub(r"/layer\d+/", "/layerN/", tag)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fast: hand computations and the README's list.
+
+
+def test_efficiency_is_training_flops_over_peak():
+    from mode.metrics import efficiency
+
+    # 2 devices, 1e5 tokens/s in all, 1e6 forward FLOPs/token: 3e11 training FLOP/s = 0.15 TFLOP/s per device
+    e = efficiency(1e5, 1e6, 2, 0.5)
+    assert e["perf/tflops_per_device"] == pytest.approx(0.15, rel=1e-12)
+    assert e["perf/mfu"] == pytest.approx(0.3, rel=1e-12)
+
+
+def test_measured_cpu_peak_is_plausible():
+    from mode.metrics import measure_matmul_tflops
+
+    t = measure_matmul_tflops(seconds=0.05, n=128)
+    assert 1e-4 < t < 10  # one core: between 0.1 GFLOP/s and 10 TFLOP/s
+
+
+def test_readme_documents_every_model_metric():
+    """Every per-layer tag any preset's forward emits is in README's "What gets logged"."""
+    from mode.config import load_config
+    from mode.model import build_model
+
+    docs = documented_tags()
+    for preset in sorted((ROOT / "configs/tiny").glob("*.yaml")):
+        cfg = load_config(preset, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=16"])
+        torch.manual_seed(0)
+        model = build_model(cfg.model).train()
+        x = torch.randint(0, 256, (2, 16))
+        out = model(x, x)
+        missing = {generic(k) for k in out.metrics} - docs
+        assert not missing, f"{preset.name}: undocumented tags {missing}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation checkpointing.
+
+
+def _grads_and_saved_bytes(ckpt: bool, **over):
+    from mode.config import load_config
+    from mode.model import build_model
+
+    args = ["model.d_model=64", "model.n_heads=4", "model.d_ff=256", "model.n_layers=4", "data.seq_len=64",
+            *(f"{k}={v}" for k, v in over.items())]
+    cfg = load_config(CFG, args)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    model.activation_checkpointing = ckpt
+    torch.manual_seed(1)
+    x = torch.randint(0, 256, (4, 64))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    torch.manual_seed(2)  # routing randomness (jitter, stochastic top-k) identical in both runs
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, x)
+        (out.loss + out.aux_loss).backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+
+
+@pytest.mark.parametrize("variant", [{}, {"model.mod.layers": "every_other", "model.mod.capacity": 0.25},
+                                     {"model.moe.layers": "every", "model.moe.num_experts": 4,
+                                      "model.moe.jitter": 0.1}])
+def test_activation_checkpointing_same_numbers_less_saved_memory(variant):
+    loss_a, grads_a, bytes_a = _grads_and_saved_bytes(False, **variant)
+    loss_b, grads_b, bytes_b = _grads_and_saved_bytes(True, **variant)
+    assert loss_a == loss_b
+    for n in grads_a:
+        torch.testing.assert_close(grads_b[n], grads_a[n], rtol=1e-5, atol=1e-7, msg=n)
+    # activations kept for backward: each block keeps only its input [B, S, D] instead of its internals
+    assert bytes_b < 0.5 * bytes_a, (bytes_a, bytes_b)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_trains_identically(tmp_path):
+    common = [*TINY, *STEPS, "model.mod.layers=every_other"]
+    mode_cli("train", "--config", CFG, *common, f"run.dir={tmp_path / 'plain'}")
+    mode_cli("train", "--config", CFG, *common, "train.activation_checkpointing=block", f"run.dir={tmp_path / 'ac'}")
+    a, b = scalars(tmp_path / "plain", "train/loss"), scalars(tmp_path / "ac", "train/loss")
+    assert list(a) == [2, 4, 6] and a == b  # fp32: bit for bit
+    assert scalars(tmp_path / "plain", "eval/loss") == scalars(tmp_path / "ac", "eval/loss")
+
+
+# ----------------------------------------------------------------------------------------------
+# One 2-process run checked from every side.
+
+
+@pytest.fixture(scope="module")
+def two_proc_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("logging") / "run"
+    r = deepspeed_train(2, CFG, *TINY, *STEPS, "log.progress=true", "train.micro_batch_size=2",
+                        "perf.peak_tflops=0.05", "model.mod.layers=every_other", f"run.dir={run}")
+    return run, r.stdout
+
+
+@pytest.mark.slow
+def test_mfu_and_tflops_equal_hand_computation(two_proc_run):
+    run, _ = two_proc_run
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["peak_tflops_per_device"] == 0.05
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "perf/mfu" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    for r in logged:
+        tflops = 3 * info["forward_flops_per_token"] * r["perf/tokens_per_s"] / 2 / 1e12
+        assert r["perf/tflops_per_device"] == pytest.approx(tflops, rel=1e-9)
+        assert r["perf/mfu"] == pytest.approx(tflops / 0.05, rel=1e-9)
+        assert r["train/tokens_seen"] == r["step"] * info["tokens_per_step"]
+        assert r["train/flops_seen"] == pytest.approx(3 * info["forward_flops_per_token"] * r["train/tokens_seen"])
+        assert 0.05 < r["perf/memory_gb"] < 64  # peak RSS of a CPU rank
+    tb = tb_tags(run)
+    # loss against tokens: the same values, tokens as the step
+    assert tb["train/loss_vs_tokens"] == {r["train/tokens_seen"]: pytest.approx(r["train/loss"]) for r in logged}
+    assert set(tb["eval/loss_vs_tokens"]) == {0, 3 * info["tokens_per_step"], 6 * info["tokens_per_step"]}
+
+
+@pytest.mark.slow
+def test_metrics_jsonl_matches_tensorboard(two_proc_run):
+    run, _ = two_proc_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)) == [0, 2, 3, 4, 6]  # one line per logged step
+    tb = tb_tags(run)
+    n = 0
+    for r in rows:
+        for tag, v in r.items():
+            if tag != "step":
+                assert tb[tag][r["step"]] == pytest.approx(v, rel=1e-6, abs=1e-30), (tag, r["step"])
+                n += 1
+    assert n == sum(len(s) for t, s in tb.items() if "_vs_" not in t)  # and nothing in TB that JSONL lacks
+
+
+@pytest.mark.slow
+def test_config_goes_to_tensorboard_and_every_tag_is_documented(two_proc_run):
+    run, _ = two_proc_run
+    text = tb_text(run)
+    cfg_text = next(v for k, v in text.items() if k.startswith("config"))[0]
+    assert "max_steps: 6" in cfg_text and "world_size: 2" in cfg_text
+    assert "_hparams" in text
+    undocumented = {generic(t) for t in tb_tags(run)} - documented_tags()
+    assert not undocumented, undocumented
+
+
+@pytest.mark.slow
+def test_console_without_a_terminal(two_proc_run):
+    _, out = two_proc_run
+    assert "\r" not in out  # no tqdm redraws in a log file
+    assert re.search(r"params +[\d,]+ total, [\d,]+ active per token", out)
+    assert re.search(r"FLOPs +\S+ forward per token", out) and "2 rank(s) on 1 node(s)" in out
+    lines = [line for line in out.splitlines() if re.search(r"step \d/6 \| loss", line)]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    assert "MFU" in lines[0] and "tok/s" in lines[0]
+    assert "finished at step 6" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# Honest resumes.
+
+
+@pytest.mark.slow
+def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path):
+    run = tmp_path / "run"
+    args = ["--config", CFG, *TINY, *STEPS, f"run.dir={run}"]
+    r = mode_cli("train", *args, "train.stop_at=2")
+    m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", r.stdout, flags=re.M)
+    assert m and "train.stop_at" not in m.group(1), r.stdout
+    assert f"run.dir={run}" in m.group(1)
+
+    before = snapshot(run)
+    r = mode_cli("train", *args, "train.max_steps=12", check=False)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: train.max_steps=12:"), r.stderr
+    assert "allow_schedule_change" in lines[0] and "Traceback" not in r.stderr
+    assert snapshot(run) == before
+
+    # allowed: the LR follows the new schedule from the resumed step, and the change is logged
+    r = mode_cli("train", *args, "train.max_steps=12", "train.allow_schedule_change=true")
+    assert "schedule changed at resumed step 2: train.max_steps 6 -> 12" in r.stdout
+    from mode.config import load_config
+    from mode.engine import lr_lambda
+
+    cfg = load_config(CFG, [*TINY, *STEPS, "train.max_steps=12"])
+    lr = scalars(run, "train/lr")
+    for step in (4, 8, 12):  # the scheduler has stepped `step` times
+        assert lr[step] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(step), rel=1e-6)
+    assert any("schedule changed" in t for v in tb_text(run).values() for t in v)
+    assert (run / "DONE").exists()
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, *STEPS, f"run.dir={run}"]
+    mode_cli("train", "--config", CFG, *args)
+    before = snapshot(run)
+    done = (run / "DONE").read_text()
+    r = mode_cli("train", "--config", CFG, *args)
+    assert "already finished at step 6" in r.stdout and snapshot(run) == before
+    # the README's DeepSpeed command on the same (single-process) run: also a no-op, metadata intact
+    r = deepspeed_train(2, CFG, *args)
+    assert "already finished at step 6" in r.stdout and snapshot(run) == before
+    assert (run / "DONE").read_text() == done and json.loads(done)["eval/loss"] > 0
+
+
+@pytest.mark.slow
+def test_resuming_at_another_world_size_is_refused(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, *STEPS, f"run.dir={run}"]
+    mode_cli("train", "--config", CFG, *args, "train.stop_at=2")
+    before = snapshot(run)
+    r = deepspeed_train(2, CFG, *args, check=False)
+    assert r.returncode != 0
+    assert "config error: run.dir=" in r.stdout + r.stderr and "world size 1" in r.stdout + r.stderr
+    assert snapshot(run) == before
+    assert json.loads((run / "run_info.json").read_text())["world_size"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights & Biases, offline.
+
+
+@pytest.mark.slow
+def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="optional extra: pip install -e '.[wandb]'")
+    monkeypatch.setenv("WANDB_SILENT", "true")  # the CLI's environment is a copy of ours
+    run = tmp_path / "run"
+    mode_cli("train", "--config", CFG, *TINY, *STEPS, "log.wandb=true", "log.wandb_mode=offline",
+             f"run.dir={run}")
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, list((run / "wandb").iterdir())
+    logs = list(offline[0].glob("*.wandb"))
+    assert len(logs) == 1
+    config, loss = {}, {}
+    for rec in wandb_records(logs[0]):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":  # the resolved config given at init
+            config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+        elif kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            if "train/loss" in items:
+                loss[rec.history.step.num] = items["train/loss"]
+    assert config["train"]["max_steps"] == 6 and config["model"]["d_model"] == 32
+    tb = scalars(run, "train/loss")
+    assert list(loss) == list(tb) == [2, 4, 6]
+    assert all(loss[s] == pytest.approx(tb[s], rel=1e-6) for s in tb)
+
+
+def wandb_records(path: Path):
+    """Records of a W&B transaction log (.wandb): W&B's leveldb-log framing of protobuf Records,
+    read here without wandb's own reader (recent wandb ships it in Go only)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block = Path(path).read_bytes(), 32768
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    pos, buf = 7, b""  # 7-byte file header: ident, magic, version
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]  # after a 4-byte CRC
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a whole record
+            rec = Record()
+            rec.ParseFromString(buf)
+            yield rec
+            buf = b""
