@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="results JSON file (default: RUN/eval/results_<tasks>_<routing>.json)")
     a = p.parse_args(argv)
     if ModeLM is None:
-        print(INSTALL_HINT)
+        print(INSTALL_HINT, file=sys.stderr)
         return 2
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if not tasks:

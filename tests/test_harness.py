@@ -6,6 +6,7 @@ lm-eval's own `Instance` objects and `ModeLM` (the class lm-eval's registry hand
 Shape legend: S sequence, V vocabulary.
 """
 import json
+import math
 import shutil
 
 import pytest
@@ -219,6 +220,16 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
 
 
+def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import mode.harness
+
+    monkeypatch.setattr(mode.harness, "ModeLM", None)  # what the module holds when `import lm_eval` fails
+    _, run = _fake_run(tmp_path, "dense")
+    assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install -e '.[eval]'" in err[0]
+
+
 @pytest.mark.slow  # an unknown name is only unknown after indexing lm-eval's ~15k built-in tasks (~25 s)
 def test_unknown_task_is_one_line(tmp_path):
     _, run = _fake_run(tmp_path, "mod")
@@ -230,15 +241,13 @@ def test_unknown_task_is_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# End to end: a real training run, exported, evaluated on the shipped example tasks.
+# End to end through the CLI: a run as the trainer leaves it (no training needed: log-likelihood
+# plumbing does not depend on the weights), exported, evaluated on the shipped example tasks.
 
 
 @pytest.mark.slow
-def test_train_export_eval_end_to_end(tmp_path):
-    from tests.util import TINY
-
-    run = tmp_path / "run"
-    mode_cli("train", "--config", "configs/tiny/mod.yaml", *TINY, "train.max_steps=4", f"run.dir={run}")
+def test_export_eval_generate_end_to_end(tmp_path):
+    model, run = _fake_run(tmp_path, "mod")
     mode_cli("export", "--run", run, "--out", tmp_path / "export")
     out = tmp_path / "results.json"
     r = mode_cli("eval", "--run", tmp_path / "export", "--tasks", "mode_example", "--include-path", "configs/eval",
@@ -246,9 +255,13 @@ def test_train_export_eval_end_to_end(tmp_path):
     res = json.loads(out.read_text())
     assert res["mode"]["routing"] == "causal"
     assert set(res["results"]) >= {"stdlib_ppl", "stdlib_next_line", "stdlib_complete"}
-    assert res["results"]["stdlib_ppl"]["bits_per_byte,none"] > 0
     assert 0 <= res["results"]["stdlib_next_line"]["acc,none"] <= 1
-    assert "stdlib_ppl" in r.stdout
+    assert "| stdlib_ppl | bits_per_byte |" in r.stdout
+    # bits per byte of the 3 documents, from the model's own logits (byte tokenizer: 1 token = 1 byte)
+    docs = [json.loads(ln)["text"] for ln in (ROOT / "configs/eval/data/stdlib_ppl.jsonl").read_text().splitlines()[:3]]
+    nats = -sum(rolling_ref(model, d) for d in docs)
+    n_bytes = sum(len(d.encode()) for d in docs)
+    assert abs(res["results"]["stdlib_ppl"]["bits_per_byte,none"] - nats / n_bytes / math.log(2)) <= 1e-5
     # the run directory itself, with top-k routing, and its default results path
     mode_cli("eval", "--run", run, "--tasks", "stdlib_next_line", "--include-path", "configs/eval", "--limit", "2",
              "--routing", "topk")
