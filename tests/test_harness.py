@@ -27,13 +27,15 @@ from tests.util import ROOT, mode_cli  # noqa: E402
 
 L = 24  # model.max_seq_len: short, so documents span several windows
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", f"model.max_seq_len={L}", f"data.seq_len={L}"]
-PRESETS = ["dense", "mod", "moe", "mode_staged", "mode_integrated"]
+# moe+dropless: expert layers without capacity, the one MoE case whose rows are batched
+PRESETS = ["dense", "mod", "moe", "moe+dropless", "mode_staged", "mode_integrated"]
 TOK = ByteTokenizer()
 
 
 def tiny_model(preset: str, seed: int = 0):
     """An untrained model of a tiny preset, routers spread so that routing differs per token."""
-    cfg = load_config(ROOT / f"configs/tiny/{preset}.yaml", SMALL)
+    name, _, variant = preset.partition("+")
+    cfg = load_config(ROOT / f"configs/tiny/{name}.yaml", SMALL + (["model.moe.capacity_factor=null"] if variant else []))
     torch.manual_seed(seed)
     model = build_model(cfg.model).eval()
     for b in model.blocks:
@@ -92,6 +94,7 @@ def test_loglikelihood_rolling_equals_sum_of_logprobs(preset):
     model, _ = tiny_model(preset)
     assert max(len(d) for d in DOCS) > 2 * L  # some documents need several windows
     lm = ModeLM(model=model, tokenizer=TOK, batch_size=3)
+    assert lm.scorer.batch_size == (1 if preset in ("moe", "mode_staged", "mode_integrated") else 3)
     reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)]
     got = lm.loglikelihood_rolling(reqs)
     for d, g in zip(DOCS, got):
