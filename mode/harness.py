@@ -153,6 +153,7 @@ class Scorer:
             new = generate_ids(self.model, [prompt], n, temperature=temperature, seed=int(kw.get("seed", 0) or 0),
                                eos_id=self.tok.eos_id,
                                vocab_limit=min(self.tok.vocab_size, self.model.cfg.vocab_size))[0]
+            # The sampler has no stop-string hook: it runs max_gen_toks steps (or to EOS), then we cut.
             text = self.tok.decode(new)
             cut = min((text.find(s) for s in until if s and s in text), default=len(text))
             outs.append(text[:cut])
