@@ -17,7 +17,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from mode.cli import main as cli_main  # noqa: E402
-from mode.config import Config, dump_config, load_config  # noqa: E402
+from mode.config import dump_config, load_config  # noqa: E402
 from mode.data import ByteTokenizer  # noqa: E402
 from mode.generate import generate_ids, load_run  # noqa: E402
 from mode.harness import ModeLM, rolling_windows  # noqa: E402
