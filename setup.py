@@ -17,9 +17,13 @@ setup(
         "tokenizers>=0.15",  # Hugging Face tokenizers from a local directory (light: no transformers)
         "matplotlib>=3.7",
         "numpy",
+        "safetensors>=0.4",  # `mode export`: weights without pickle
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout"],
+        # dev includes the eval extra: the test suite drives lm-evaluation-harness itself.
+        "dev": ["pytest>=7", "pytest-timeout", "lm-eval>=0.4.5"],
+        # `mode eval`: EleutherAI's lm-evaluation-harness (keeps the installed torch).
+        "eval": ["lm-eval>=0.4.5"],
         # GPU nodes only: MegaBlocks pins its own torch and needs CUDA extensions.
         "megablocks": ["megablocks>=0.10", "grouped_gemm"],
         # Weights & Biases logger (log.wandb=true); works offline (log.wandb_mode=offline).

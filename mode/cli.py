@@ -1,4 +1,4 @@
-"""`mode train | compare | generate | flops | analyze | data prepare`.
+"""`mode train | compare | generate | flops | analyze | data prepare | eval | export`.
 
 Config errors print one `config error:` line and exit 2 before any worker process starts; runtime
 faults print one `error:` line naming the cause (exit 1). `--debug` shows tracebacks instead.
@@ -55,7 +55,7 @@ def _generate(argv) -> int:
     from mode.generate import cli_generate
 
     p = argparse.ArgumentParser(prog="mode generate", description="Sample with KV cache and causal routing.")
-    p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    p.add_argument("--run", required=True, help="run directory (config.yaml, checkpoints/) or `mode export` directory")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -109,8 +109,20 @@ def _analyze(argv) -> int:
     return main(argv) or 0
 
 
+def _eval(argv) -> int:
+    from mode.harness import main
+
+    return main(argv)
+
+
+def _export(argv) -> int:
+    from mode.export import main
+
+    return main(argv)
+
+
 COMMANDS = {"train": _train, "compare": _compare, "generate": _generate, "flops": _flops, "analyze": _analyze,
-            "data": _data}
+            "data": _data, "eval": _eval, "export": _export}
 
 
 def main(argv=None) -> int:

@@ -124,31 +124,43 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer, config) from run_dir/config.yaml and the newest complete
-    checkpoint's plain state_dict (model.pt): no DeepSpeed needed."""
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_source: bool = False):
+    """(model in eval mode, tokenizer, config) from a run directory (config.yaml and the newest
+    complete checkpoint's plain state_dict, model.pt: no DeepSpeed needed) or from a directory
+    written by `mode export` (config.yaml, model.safetensors, tokenizer/). With `return_source`, the
+    file the weights came from is returned fourth. A missing run or checkpoint is a ConfigError."""
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
+    from mode.export import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise ConfigError("--run", str(run_dir), "a run directory (it holds config.yaml and checkpoints/)")
+        raise ConfigError("--run", str(run_dir), "a run directory (with config.yaml) or a `mode export` directory")
+    exported = is_export(run_dir)
+    # An export's HF tokenizer lives inside it; the path in its config.yaml is relative to it.
+    over = [f"data.tokenizer={run_dir / TOKENIZER_DIR}"] if exported and (run_dir / TOKENIZER_DIR).is_dir() else []
     try:
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(run_dir / "config.yaml", over)
     except ConfigError as e:  # sampling reads no data: a training file that moved must not block it
         if e.key not in ("data.source", "data.val_source"):
             raise
-        cfg = load_config(run_dir / "config.yaml", ["data.source=stdlib", "data.val_source="])
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise ConfigError("--run", str(run_dir), "a run with a complete checkpoint (checkpoints/step_*/model.pt); "
-                          "this one has none yet")
+        cfg = load_config(run_dir / "config.yaml", over + ["data.source=stdlib", "data.val_source="])
     model = build_model(cfg.model)
-    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
-    state = state.get("module", state) if isinstance(state, dict) else state
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    model.load_state_dict(state)
-    return model.to(device).eval(), build_tokenizer(cfg.data), cfg
+    if exported:
+        source = run_dir / WEIGHTS
+        load_weights(model, source)
+    else:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise ConfigError("--run", str(run_dir), "a run with a complete checkpoint (checkpoints/step_*/model.pt): "
+                              "none yet; train it first")
+        source = ckpt / "model.pt"
+        state = torch.load(source, map_location="cpu", weights_only=True)
+        state = state.get("module", state) if isinstance(state, dict) else state
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+        model.load_state_dict(state)
+    out = (model.to(device).eval(), build_tokenizer(cfg.data), cfg)
+    return (*out, source) if return_source else out
 
 
 def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,

@@ -7,7 +7,7 @@ from tests.util import ROOT, mode_cli
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
-                                        if "experiments" not in p.parts))
+                                        if not {"experiments", "eval"} & set(p.parts)))  # eval/: lm-eval task YAMLs
 def test_every_yaml_loads(path):
     cfg = load_config(ROOT / path)
     assert cfg.model.d_model > 0

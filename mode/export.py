@@ -1,0 +1,80 @@
+"""`mode export --run RUN_DIR --out DIR`: a portable copy of a trained model.
+
+DIR holds `model.safetensors` (weights only, no pickle), the resolved `config.yaml`, the tokenizer
+(`tokenizer/tokenizer.json` for a Hugging Face tokenizer; the byte tokenizer needs no file) and
+`export.json` (where it came from). `load_run`, `mode generate` and `mode eval` read DIR like a run
+directory. The export is written into a sibling temporary directory and renamed into place, so a
+failure leaves no half-written DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+WEIGHTS = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+
+def is_export(path: str | Path) -> bool:
+    return (Path(path) / WEIGHTS).is_file() and (Path(path) / "config.yaml").is_file()
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    # save_model drops the tied head weight (an alias of the embedding) instead of refusing it.
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_model
+
+    load_model(model, str(path), strict=True, device="cpu")
+
+
+def export(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the newest complete checkpoint of `run_dir` as a portable model into `out_dir`,
+    which must not exist or be empty (ConfigError otherwise, before anything is written)."""
+    from mode.config import ConfigError, dump_config
+    from mode.generate import load_run
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("--out", str(out), "a new or empty directory (exporting never overwrites)")
+    if not out.parent.is_dir():
+        raise ConfigError("--out", str(out), f"a directory whose parent {out.parent} exists")
+    model, tok, cfg, source = load_run(run_dir, return_source=True)
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
+    try:
+        save_weights(model, tmp / WEIGHTS)
+        if cfg.data.tokenizer != "byte":
+            (tmp / TOKENIZER_DIR).mkdir()
+            shutil.copy2(Path(cfg.data.tokenizer) / "tokenizer.json", tmp / TOKENIZER_DIR / "tokenizer.json")
+            cfg.data.tokenizer = TOKENIZER_DIR  # relative to the export dir; load_run resolves it
+        (tmp / "config.yaml").write_text(dump_config(cfg))
+        info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(source),
+                "parameters": sum(p.numel() for p in model.parameters())}
+        (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (checked above); rmdir refuses if something appeared since
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
+    p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write")
+    a = p.parse_args(argv)
+    out = export(a.run, a.out)
+    print(f"exported {a.run} -> {out}")
+    return 0

@@ -1,0 +1,307 @@
+"""`mode eval`: a `mode` run (or export) under EleutherAI's lm-evaluation-harness.
+
+Shape legend: B rows of a scoring batch, S window length, V vocabulary, N tokens scored in a row.
+
+`ModeLM` is an `lm_eval.api.model.LM` registered as `mode`, so the harness's own Python API works
+too: `import mode.harness; lm_eval.simple_evaluate(model="mode", model_args="run=runs/tiny/mod", ...)`.
+
+Scoring conventions (one place, `Scorer`, touches the model, so a reworked sampler or routing
+API is re-pointed there):
+- every text is preceded by the tokenizer's EOS, as training packs documents after an EOS;
+- the tokens to score are cut into consecutive runs of at most `model.max_seq_len` tokens; each
+  run is predicted by one forward over the max_seq_len tokens right before its end (fewer at the
+  start of the text), so every token is scored exactly once, with as much context as fits;
+- `loglikelihood(context, continuation)`: log P(continuation | EOS + context) (a long context is
+  cut from the left; a continuation longer than max_seq_len spans several windows);
+- `loglikelihood_rolling(doc)`: log P(doc | EOS), windows over the whole document;
+- routing `causal` (default) decides each token from itself and earlier tokens, so no scored
+  token looks ahead; `topk` is the training-time routing, which sees the whole window (labelled
+  in the results). Rows are batched (right-padded) only when they cannot affect each other:
+  causal routing and no capacity-limited expert layer (a shared expert capacity or a top-k over
+  the sequence couples the tokens of a forward pass).
+- `generate_until` samples with `mode.generate.generate_ids` (KV cache, causal routing) and cuts
+  the text at the first stop sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from mode.config import ConfigError, resolve_layers
+
+INSTALL_HINT = "mode eval needs lm-evaluation-harness: pip install -e '.[eval]'  (or: pip install lm-eval)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows and scoring: plain functions of token ids (no lm-eval needed).
+
+
+def windows(stream: list[int], start: int, max_len: int) -> list[tuple[list[int], int]]:
+    """Score the targets stream[start:] (start >= 1) each exactly once: (input ids, n) per window,
+    whose last n inputs are followed by the next n targets. A window ends at the next at most
+    max_len targets and holds the max_len tokens before them (fewer only at the stream's start)."""
+    out, p = [], start
+    while p < len(stream):
+        end = min(p + max_len, len(stream))  # targets stream[p:end], inputs end at stream[end - 2]
+        out.append((stream[max(0, end - 1 - max_len) : end - 1], end - p))
+        p = end
+    return out
+
+
+def rolling_windows(ids: list[int], eos_id: int, max_len: int) -> list[tuple[list[int], int]]:
+    """Windows over the document stream EOS + ids that score every token of ids once."""
+    return windows([eos_id] + list(ids), 1, max_len)
+
+
+def rows_independent(model, routing: str) -> bool:
+    """True when a row's logits do not depend on the other rows (or the padding) of its batch."""
+    if routing != "causal":
+        return False  # top-k over the sequence: padding and length change who is selected
+    moe = model.cfg.moe
+    return not resolve_layers(moe.layers, model.cfg.n_layers) or moe.capacity_factor is None
+
+
+class Scorer:
+    """Log-probabilities of target tokens under a `mode` LM: the adapter between the harness and
+    the model's forward (`model(ids_BS, routing=...)`)."""
+
+    def __init__(self, model, tokenizer, routing: str = "causal", batch_size: int = 1):
+        if routing not in ("causal", "topk"):
+            raise ConfigError("--routing", routing, "causal or topk")
+        self.model, self.tok, self.routing = model.eval(), tokenizer, routing
+        self.batch_size = max(1, int(batch_size)) if rows_independent(model, routing) else 1
+        self.max_len = model.cfg.max_seq_len
+        self.device = next(model.parameters()).device
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tok.encode(text)]
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of the context and of the continuation as they are tokenized together;
+        trailing spaces of the context move to the continuation (the harness's convention)."""
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            context, continuation = context[:-n_space], context[-n_space:] + continuation
+        ctx = self.encode(context)
+        whole = self.encode(context + continuation)
+        return (ctx, whole[len(ctx):]) if whole[: len(ctx)] == ctx else (ctx, self.encode(continuation))
+
+    @torch.no_grad()
+    def logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[torch.Tensor, bool]]:
+        """rows: (input ids [S], target ids [N <= S]) where targets are the next tokens after the
+        LAST N inputs. Returns per row the float64 log-probs [N] and whether all N are greedy."""
+        out: list = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # similar lengths share a batch
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b : b + self.batch_size]
+            S = len(rows[idx[0]][0])
+            ids_BS = torch.full((len(idx), S), self.tok.eos_id, dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids_BS[r, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=torch.long)
+            logits_BSV = self.model(ids_BS.to(self.device), routing=self.routing).logits
+            for r, i in enumerate(idx):
+                inp, tgt = rows[i]
+                logits_NV = logits_BSV[r, len(inp) - len(tgt) : len(inp)].double().cpu()
+                tgt_N = torch.tensor(tgt, dtype=torch.long)
+                lp_N = logits_NV.log_softmax(-1).gather(1, tgt_N[:, None])[:, 0]
+                out[i] = (lp_N, bool((logits_NV.argmax(-1) == tgt_N).all()))
+        return out
+
+    # The three request types, on plain strings.
+
+    def _score_streams(self, streams: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """(sum of log-probs, all greedy) of stream[start:] for each (stream, start), in windows."""
+        rows, owner = [], []
+        for k, (stream, start) in enumerate(streams):
+            p = start
+            for inp, n in windows(stream, start, self.max_len):
+                rows.append((inp, stream[p : p + n]))
+                owner.append(k)
+                p += n
+        totals = [[0.0, True] for _ in streams]
+        for k, (lp, greedy) in zip(owner, self.logprobs(rows)):
+            totals[k][0] += float(lp.sum())
+            totals[k][1] &= greedy
+        return [(ll, greedy) for ll, greedy in totals]
+
+    def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """log P(continuation | EOS + context); a continuation longer than max_seq_len is scored
+        in windows like a rolling document."""
+        streams = []
+        for context, continuation in pairs:
+            ctx, cont = self.encode_pair(context, continuation)
+            streams.append(([self.tok.eos_id] + ctx + cont, 1 + len(ctx)))
+        return self._score_streams(streams)
+
+    def loglikelihood_rolling(self, docs: list[str]) -> list[float]:
+        return [ll for ll, _ in self._score_streams([([self.tok.eos_id] + self.encode(d), 1) for d in docs])]
+
+    def generate_until(self, requests: list[tuple[str, dict]]) -> list[str]:
+        from mode.generate import generate_ids
+
+        outs = []
+        for context, kw in requests:  # one row at a time: simple, and rows never share expert capacity
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            n = max(1, min(int(kw.get("max_gen_toks", 256)), self.max_len))
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+            prompt = ([self.tok.eos_id] + self.encode(context))[-(self.max_len + 1 - n):]
+            new = generate_ids(self.model, [prompt], n, temperature=temperature, seed=int(kw.get("seed", 0) or 0),
+                               eos_id=self.tok.eos_id,
+                               vocab_limit=min(self.tok.vocab_size, self.model.cfg.vocab_size))[0]
+            # The sampler has no stop-string hook: it runs max_gen_toks steps (or to EOS), then we cut.
+            text = self.tok.decode(new)
+            cut = min((text.find(s) for s in until if s and s in text), default=len(text))
+            outs.append(text[:cut])
+        return outs
+
+
+# ----------------------------------------------------------------------------------------------
+# The lm-eval model class, registered as `mode`.
+
+
+def _define_lm_class():
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+
+    @register_model("mode")
+    class ModeLM(LM):
+        """A `mode` run directory or `mode export` directory as an lm-eval model.
+        model_args: run=DIR, routing=causal|topk, batch_size=B, device=cpu|cuda."""
+
+        def __init__(self, run: str | None = None, routing: str = "causal", batch_size=1, device=None,
+                     model=None, tokenizer=None, **_ignored):
+            super().__init__()
+            if model is None:
+                from mode.generate import load_run
+
+                if run is None:
+                    raise ValueError("model_args needs run=RUN_DIR (a run or `mode export` directory)")
+                device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+                model, tokenizer, _ = load_run(run, device)
+            bs = 1 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
+            self.scorer = Scorer(model, tokenizer, routing, bs)
+            self.run, self.routing = run, routing
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return self.scorer.loglikelihood([tuple(r.args[:2]) for r in requests])
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return self.scorer.loglikelihood_rolling([r.args[0] for r in requests])
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return self.scorer.generate_until([(r.args[0], dict(r.args[1])) for r in requests])
+
+    return ModeLM
+
+
+try:
+    ModeLM = _define_lm_class()
+except ImportError:  # lm-eval is an optional extra; `mode eval` says how to install it
+    ModeLM = None
+
+
+# ----------------------------------------------------------------------------------------------
+# `mode eval`
+
+
+def _task_manager(tasks: list[str], include_path: str | None):
+    """A TaskManager that knows every requested task; unknown names and tasks whose data cannot
+    be loaded are one-line errors before any scoring (and before anything is written). Indexing
+    the harness's ~15k built-in task YAMLs takes ~25 s, so when --include-path alone defines all
+    requested tasks the built-ins are not indexed."""
+    import datasets
+    from lm_eval.tasks import TaskManager
+
+    datasets.disable_progress_bars()
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError("--include-path", include_path, "an existing directory of task YAML files")
+    tm = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if tm is None or not set(tasks) <= set(tm.all_tasks):
+        tm = TaskManager(include_path=include_path)
+    for t in tasks:
+        if t not in tm.all_tasks:
+            where = f" or under {include_path}" if include_path else " (add --include-path DIR for local task YAMLs)"
+            raise ConfigError("--tasks", t, f"a task, group or tag known to lm-eval{where}; `lm-eval ls tasks` lists them")
+    for t in tasks:
+        try:
+            tm.load([t])
+        except Exception as e:  # datasets raises many kinds: missing file, no network, bad schema
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError("--tasks", msg=f"--tasks={t!r}: its data could not be loaded ({type(e).__name__}: {msg})")
+    return tm
+
+
+def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit: float | None = None,
+             batch_size: int = 1, routing: str = "causal", device: str | None = None, lm=None) -> dict:
+    """lm-eval's `simple_evaluate` over a `mode` run; returns its results dict with a `mode` entry
+    (run, routing) added."""
+    import lm_eval
+
+    if routing not in ("causal", "topk"):
+        raise ConfigError("--routing", routing, "causal or topk")
+    if lm is None:
+        lm = ModeLM(run=run, routing=routing, batch_size=batch_size, device=device)
+    tm = _task_manager(tasks, include_path)
+    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
+                                  log_samples=False)
+    res["mode"] = {"run": str(run), "routing": routing,
+                   "note": "causal: sampling-time routing (no lookahead)" if routing == "causal"
+                   else "topk: training-time routing (sees the whole window: not sampling-safe)"}
+    return res
+
+
+def format_table(res: dict) -> str:
+    lines = [f"routing={res['mode']['routing']}  run={res['mode']['run']}", "| task | metric | value | stderr |",
+             "| --- | --- | --- | --- |"]
+    for task, metrics in res["results"].items():
+        for k, v in metrics.items():
+            if k in ("alias", "sample_len") or "_stderr" in k or not isinstance(v, (int, float)):
+                continue
+            name, _, filt = k.partition(",")
+            se = metrics.get(f"{name}_stderr,{filt}")
+            se = f"{se:.4g}" if isinstance(se, (int, float)) else ""
+            lines.append(f"| {task} | {name} | {v:.6g} | {se} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
+    p.add_argument("--run", required=True, help="run directory or `mode export` directory")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task/group names")
+    p.add_argument("--include-path", help="directory of extra task YAMLs (e.g. configs/eval)")
+    p.add_argument("--limit", type=float, help="at most N examples per task (a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--routing", default="causal", help="causal (sampling-time, default) or topk (training-time)")
+    p.add_argument("--out", help="results JSON file (default: RUN/eval/results_<tasks>_<routing>.json)")
+    a = p.parse_args(argv)
+    if ModeLM is None:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
+    if a.batch_size < 1:
+        raise ConfigError("--batch-size", a.batch_size, ">= 1")
+    if a.limit is not None and a.limit <= 0:
+        raise ConfigError("--limit", a.limit, "> 0")
+    if a.routing not in ("causal", "topk"):
+        raise ConfigError("--routing", a.routing, "causal or topk")
+    out = Path(a.out) if a.out else Path(a.run) / "eval" / f"results_{'+'.join(tasks)}_{a.routing}.json"
+    if a.out and not out.parent.is_dir():
+        raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} does not exist)")
+    if out.is_dir():
+        raise ConfigError("--out", a.out, "a file path, not a directory")
+    limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
+    res = evaluate(a.run, tasks, a.include_path, limit, a.batch_size, a.routing)
+    print(format_table(res))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    tmp.replace(out)  # atomic: a reader never sees half a file
+    print(f"results: {out}")
+    return 0

@@ -1,0 +1,274 @@
+"""lm-evaluation-harness integration (`mode eval`) and the portable export (`mode export`).
+
+Log-likelihoods are checked against the model's own logits, log-softmaxed in float64 by hand,
+window by window as the docstring of mode/harness.py defines them; the requests go through
+lm-eval's own `Instance` objects and `ModeLM` (the class lm-eval's registry hands out as `mode`).
+Shape legend: S sequence, V vocabulary.
+"""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the [eval] extra")
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+
+from mode.cli import main as cli_main  # noqa: E402
+from mode.config import dump_config, load_config  # noqa: E402
+from mode.data import ByteTokenizer  # noqa: E402
+from mode.generate import generate_ids, load_run  # noqa: E402
+from mode.harness import ModeLM, rolling_windows  # noqa: E402
+from mode.mod import MoDBlock  # noqa: E402
+from mode.model import build_model  # noqa: E402
+from tests.util import ROOT, mode_cli  # noqa: E402
+
+L = 24  # model.max_seq_len: short, so documents span several windows
+SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", f"model.max_seq_len={L}", f"data.seq_len={L}"]
+# moe+dropless: expert layers without capacity, the one MoE case whose rows are batched
+PRESETS = ["dense", "mod", "moe", "moe+dropless", "mode_staged", "mode_integrated"]
+TOK = ByteTokenizer()
+
+
+def tiny_model(preset: str, seed: int = 0):
+    """An untrained model of a tiny preset, routers spread so that routing differs per token."""
+    name, _, variant = preset.partition("+")
+    cfg = load_config(ROOT / f"configs/tiny/{name}.yaml", SMALL + (["model.moe.capacity_factor=null"] if variant else []))
+    torch.manual_seed(seed)
+    model = build_model(cfg.model).eval()
+    for b in model.blocks:
+        if isinstance(b, MoDBlock):
+            lin = b.router.predictor[2] if b.router.predictor is not None else b.router.router
+            torch.nn.init.normal_(lin.weight, std=3.0 / lin.weight.shape[1] ** 0.5)
+    return model, cfg
+
+
+def logprobs_ref(model, inp: list[int], tgt: list[int], routing="causal"):
+    """float64 log-probs of `tgt`, the tokens after the last len(tgt) positions of `inp`."""
+    with torch.no_grad():
+        logits_SV = model(torch.tensor([inp]), routing=routing).logits[0].double()
+    lp_SV = logits_SV - torch.logsumexp(logits_SV, -1, keepdim=True)
+    rows = range(len(inp) - len(tgt), len(inp))
+    return [float(lp_SV[r, t]) for r, t in zip(rows, tgt)], all(int(logits_SV[r].argmax()) == t for r, t in zip(rows, tgt))
+
+
+def stream_ref(model, s: list[int], start: int):
+    """(sum of log-probs, all greedy) of s[start:], windows written out by hand: the next run of
+    at most L targets s[p:end] is predicted from the (at most) L tokens right before s[end - 1]."""
+    total, greedy, p = 0.0, True, start
+    while p < len(s):
+        end = min(p + L, len(s))
+        lps, g = logprobs_ref(model, s[max(0, end - 1 - L) : end - 1], s[p:end])
+        total, greedy, p = total + sum(lps), greedy and g, end
+    return total, greedy
+
+
+def rolling_ref(model, text: str) -> float:
+    """Full windows: inputs s[k*L:(k+1)*L] predict s[k*L+1:(k+1)*L+1]; the last partial run is
+    predicted from the L tokens right before it."""
+    return stream_ref(model, [TOK.eos_id] + TOK.encode(text).tolist(), 1)[0]
+
+
+DOCS = ["def f(x):\n    return x + 1\n", "a" * 5, "import os\n" * 9, "x = [i * i for i in range(10)]  # squares\n" * 2]
+
+
+def test_rolling_windows_score_every_token_once():
+    for n in (1, 5, L - 1, L, L + 1, 2 * L, 2 * L + 7):
+        ids = list(range(100, 100 + n))
+        wins = rolling_windows(ids, -1, L)
+        scored = []
+        for inp, k in wins:
+            assert 1 <= len(inp) <= L and 1 <= k <= len(inp)
+            stream = [-1] + ids
+            start = stream.index(inp[0]) if inp[0] != -1 else 0
+            assert stream[start : start + len(inp)] == inp  # a contiguous piece of the stream
+            scored += stream[start + len(inp) - k + 1 : start + len(inp) + 1]
+        assert scored == ids  # each token exactly once, in order
+        assert all(len(inp) == L for inp, _ in wins) or n < L  # long documents: full context
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loglikelihood_rolling_equals_sum_of_logprobs(preset):
+    model, _ = tiny_model(preset)
+    assert max(len(d) for d in DOCS) > 2 * L  # some documents need several windows
+    lm = ModeLM(model=model, tokenizer=TOK, batch_size=3)
+    assert lm.scorer.batch_size == (1 if preset in ("moe", "mode_staged", "mode_integrated") else 3)
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)]
+    got = lm.loglikelihood_rolling(reqs)
+    for d, g in zip(DOCS, got):
+        assert abs(g - rolling_ref(model, d)) <= 1e-4, (preset, d)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loglikelihood_equals_direct_computation(preset):
+    model, _ = tiny_model(preset)
+    pairs = [("def f(x):\n    return", " x + 1"), ("", "hello"), ("abc", "d"), ("q" * 40, "rs tu"),
+             ("The answer is ", "42"), ("x", ""), ("ctx ", "a continuation longer than max_seq_len tokens")]
+    lm = ModeLM(model=model, tokenizer=TOK, batch_size=4)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    for (ctx, cont), (ll, greedy) in zip(pairs, got):
+        n_space = len(ctx) - len(ctx.rstrip())  # the harness's convention: trailing spaces go to the continuation
+        ctx, cont = ctx[: len(ctx) - n_space], ctx[len(ctx) - n_space :] + cont
+        s = [TOK.eos_id] + TOK.encode(ctx + cont).tolist()
+        n = len(TOK.encode(cont))
+        if n <= L:  # one window: the context cut from the left to L inputs
+            lps, ref_greedy = logprobs_ref(model, s[:-1][-L:], s[len(s) - n :]) if n else ([], True)
+            ref = sum(lps)
+        else:
+            ref, ref_greedy = stream_ref(model, s, len(s) - n)
+        assert abs(ll - ref) <= 1e-4 and greedy == ref_greedy, (preset, ctx, cont)
+    # top-k routing is allowed: each row scored alone with the training-time routing
+    topk = ModeLM(model=model, tokenizer=TOK, routing="topk", batch_size=4)
+    ll, _ = topk.loglikelihood([Instance("loglikelihood", {}, ("abc", "d"), 0)])[0]
+    assert abs(ll - logprobs_ref(model, [TOK.eos_id, 97, 98, 99], [100], routing="topk")[0][0]) <= 1e-4
+
+
+def test_mode_is_registered_with_lm_eval():
+    assert get_model("mode") is ModeLM
+
+
+@pytest.mark.parametrize("preset", ["mod", "moe"])
+def test_generate_until_stops_at_the_stop_sequence(preset):
+    model, _ = tiny_model(preset)
+    lm = ModeLM(model=model, tokenizer=TOK)
+    ctx = "def f("
+    full = TOK.decode(generate_ids(model, [[TOK.eos_id] + TOK.encode(ctx).tolist()], 16, temperature=0,
+                                   eos_id=TOK.eos_id, vocab_limit=TOK.vocab_size)[0])
+    assert len(full) >= 4, full
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    reqs = [Instance("generate_until", {}, (ctx, {"until": [stop], "max_gen_toks": 16}), 0),
+            Instance("generate_until", {}, (ctx, {"until": ["\x00never"], "max_gen_toks": 16}), 1)]
+    cut, whole = lm.generate_until(reqs)
+    assert cut == full[: full.index(stop)] and stop not in cut
+    assert whole == full
+
+
+def _fake_run(tmp_path, preset, name="run"):
+    """A run directory as the trainer leaves it (config.yaml + checkpoints/step_N/model.pt)."""
+    model, cfg = tiny_model(preset, seed=1)
+    run = tmp_path / name
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    torch.save(model.state_dict(), run / "checkpoints" / "step_00000003" / "model.pt")
+    return model, run
+
+
+@pytest.mark.parametrize("preset", ["mod", "moe"])
+def test_export_gives_the_same_logits(tmp_path, preset):
+    model, run = _fake_run(tmp_path, preset)
+    (tmp_path / "out").mkdir()  # an existing empty directory is fine
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["config.yaml", "export.json", "model.safetensors"]
+    assert b"pickle" not in (tmp_path / "out" / "model.safetensors").read_bytes()[:64]
+    loaded, tok, cfg = load_run(tmp_path / "out")
+    assert cfg.model == model.cfg
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("for i in range(3):").tolist()])
+    with torch.no_grad():
+        for routing in ("causal", "topk"):
+            assert torch.equal(model(ids, routing=routing).logits, loaded(ids, routing=routing).logits)
+    shutil.rmtree(run)  # the export stands alone
+
+
+def test_export_with_a_hugging_face_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tk.train_from_iterator(["def f(x): return x"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    (tmp_path / "tok").mkdir()
+    tk.save(str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", SMALL + [f"data.tokenizer={tmp_path / 'tok'}"])
+    model = build_model(cfg.model)
+    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    torch.save(model.state_dict(), tmp_path / "run" / "checkpoints" / "step_00000001" / "model.pt")
+    assert cli_main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    shutil.rmtree(tmp_path / "tok")  # the export carries its own copy
+    _, tok, cfg2 = load_run(tmp_path / "out")
+    assert tok.encode("def f(x)").tolist() == tk.encode("def f(x)").ids and tok.eos_id == tk.token_to_id("</s>")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, nothing written.
+
+
+def _one_line_error(capsys, argv, needle):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("config error:") and needle in err, err
+
+
+def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
+    _, run = _fake_run(tmp_path, "mod")
+    empty = tmp_path / "empty_run"  # a run that never reached a checkpoint
+    empty.mkdir()
+    (empty / "config.yaml").write_text((run / "config.yaml").read_text())
+    (tmp_path / "tasks").mkdir()  # a task whose data file is missing
+    y = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text().replace("task: stdlib_ppl", "task: gone_ppl")
+    (tmp_path / "tasks" / "gone.yaml").write_text(y.replace("configs/eval/data/stdlib_ppl.jsonl", str(tmp_path / "nope.jsonl")))
+    (tmp_path / "taken").mkdir()  # a non-empty export target holding a user's file
+    (tmp_path / "taken" / "mine.txt").write_text("user data")
+    before = sorted(tmp_path.rglob("*"))
+    inc = ["--include-path", str(ROOT / "configs/eval")]
+    _one_line_error(capsys, ["eval", "--run", str(empty), "--tasks", "stdlib_ppl", *inc], "complete checkpoint")
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "gone_ppl", "--include-path", str(tmp_path / "tasks")],
+                    "data could not be loaded")
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--routing", "sideways"], "--routing")
+    _one_line_error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "taken")], "--out")
+    _one_line_error(capsys, ["export", "--run", str(empty), "--out", str(tmp_path / "new")], "complete checkpoint")
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
+    assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
+
+
+def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import mode.harness
+
+    monkeypatch.setattr(mode.harness, "ModeLM", None)  # what the module holds when `import lm_eval` fails
+    _, run = _fake_run(tmp_path, "dense")
+    assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install -e '.[eval]'" in err[0]
+
+
+@pytest.mark.slow  # an unknown name is only unknown after indexing lm-eval's ~15k built-in tasks (~25 s)
+def test_unknown_task_is_one_line(tmp_path):
+    _, run = _fake_run(tmp_path, "mod")
+    r = mode_cli("eval", "--run", run, "--tasks", "stdlib_ppl,no_such_task_xyz", "--include-path", "configs/eval",
+                 check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        r.stderr.strip()] and "config error: --tasks='no_such_task_xyz'" in r.stderr, r.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end through the CLI: a run as the trainer leaves it (no training needed: log-likelihood
+# plumbing does not depend on the weights), exported, evaluated on the shipped example tasks.
+
+
+@pytest.mark.slow
+def test_export_eval_generate_end_to_end(tmp_path):
+    model, run = _fake_run(tmp_path, "mod")
+    mode_cli("export", "--run", run, "--out", tmp_path / "export")
+    out = tmp_path / "results.json"
+    r = mode_cli("eval", "--run", tmp_path / "export", "--tasks", "mode_example", "--include-path", "configs/eval",
+                 "--limit", "3", "--batch-size", "4", "--out", out)
+    res = json.loads(out.read_text())
+    assert res["mode"]["routing"] == "causal"
+    assert set(res["results"]) >= {"stdlib_ppl", "stdlib_next_line", "stdlib_complete"}
+    assert 0 <= res["results"]["stdlib_next_line"]["acc,none"] <= 1
+    assert "| stdlib_ppl | bits_per_byte |" in r.stdout
+    # bits per byte of the 3 documents, from the model's own logits (byte tokenizer: 1 token = 1 byte)
+    docs = [json.loads(ln)["text"] for ln in (ROOT / "configs/eval/data/stdlib_ppl.jsonl").read_text().splitlines()[:3]]
+    nats = -sum(rolling_ref(model, d) for d in docs)
+    n_bytes = sum(len(d.encode()) for d in docs)
+    assert abs(res["results"]["stdlib_ppl"]["bits_per_byte,none"] - nats / n_bytes / math.log(2)) <= 1e-5
+    # the run directory itself, with top-k routing, and its default results path
+    mode_cli("eval", "--run", run, "--tasks", "stdlib_next_line", "--include-path", "configs/eval", "--limit", "2",
+             "--routing", "topk")
+    res = json.loads((run / "eval" / "results_stdlib_next_line_topk.json").read_text())
+    assert res["mode"]["routing"] == "topk" and "stdlib_next_line" in res["results"]
+    g = mode_cli("generate", "--run", tmp_path / "export", "--prompt", "def ", "--max-new-tokens", "4")
+    assert g.stdout.startswith("def ")
