@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,14 +210,18 @@ def torchrun_command(config: str, overrides: list[str], *, num_nodes: int = 1, n
     return cmd + ["-m", "mode.train", "--config", config, *overrides]
 
 
+def ssh_options(ssh_port: int | None, timeout: float = SSH_TIMEOUT_S) -> list[str]:
+    """ssh as pdsh runs it for DeepSpeed (PDSH_SSH_ARGS_APPEND, then the runner's -p), never prompting."""
+    return ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}",
+            *shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))] + (["-p", str(ssh_port)] if ssh_port else [])
+
+
 def check_ssh(hostfile: str, hosts: list[str], ssh_port: int | None, timeout: float = SSH_TIMEOUT_S) -> None:
     """Every host answers passwordless ssh (as pdsh will reach it), else one ConfigError naming the first
     that does not: DeepSpeed checks only the first host, and an unreachable other one would hang the
     ranks until the rendezvous timeout."""
-    opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}", *shlex.split(
-        os.environ.get("PDSH_SSH_ARGS_APPEND", ""))] + (["-p", str(ssh_port)] if ssh_port else [])
-    procs = {h: subprocess.Popen(["ssh", *opts, h, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True) for h in hosts}
+    procs = {h: subprocess.Popen(["ssh", *ssh_options(ssh_port, timeout), h, "true"], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for h in hosts}
     bad = None
     for h, proc in procs.items():
         try:
@@ -265,17 +270,55 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_multinode(cmd: list[str], env: dict[str, str], shell: bool) -> int:
+def stop_nodes(hosts: list[str], ssh_port: int | None, master_addr: str, master_port: int) -> None:
+    """SIGTERM this job's DeepSpeed launcher on every node (each stops its ranks). DeepSpeed's own
+    Ctrl-C handler would `pkill -f "<python> -u -m deepspeed.launcher.launch"` there, every job
+    started with this interpreter; a job's master address and port single out its launchers."""
+    pattern = (r"deepspeed\.launcher\.launch --world_info=\S+ --node_rank=[0-9]+ "
+               rf"--master_addr={re.escape(master_addr)} --master_port={master_port}( |$)")
+    procs = [subprocess.Popen(["ssh", *ssh_options(ssh_port), h, f"pkill -TERM -f -- {shlex.quote(pattern)}"],
+                              stdin=subprocess.DEVNULL) for h in hosts]
+    for proc in procs:
+        try:
+            proc.wait(timeout=SSH_TIMEOUT_S + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -> int:
     """Start DeepSpeed's multi-node runner with our env file in a temporary directory (nothing in
-    run.dir: the ranks create it), wait, remove the file. Ctrl-C reaches the runner directly (same
-    process group) and runs DeepSpeed's own handler; SIGTERM to this process is passed on to it."""
+    run.dir: the ranks create it), wait, remove the file. With `stop` (pdsh) the runner runs in its
+    own session, so Ctrl-C and SIGTERM reach only this process, which calls `stop()` to end this
+    job's processes on every node; a second signal kills the runner."""
     tmp = Path(tempfile.mkdtemp(prefix="mode-launch-"))
     try:
         env = {**os.environ, **env, "DS_ENV_FILE": str(write_deepspeed_env(tmp / "deepspeed_env", env, shell))}
-        proc = subprocess.Popen(cmd, env=env)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-        rc = proc.wait()
+        proc = subprocess.Popen(cmd, env=env, start_new_session=stop is not None)
+        signals = []
+
+        def on_signal(signum, _frame):
+            signals.append(signum)
+            if stop is None:  # same process group: a Ctrl-C reached the runner too (its own handler)
+                if signum == signal.SIGTERM:
+                    proc.send_signal(signal.SIGTERM)
+            elif len(signals) == 1:
+                print(f"launch.run: {signal.Signals(signum).name}: stopping this job's ranks on every node "
+                      "(again to kill the launcher)", file=sys.stderr, flush=True)
+                stop()
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        deadline = None
+        while (rc := proc.poll()) is None:
+            if signals and stop and deadline is None:
+                deadline = time.monotonic() + 30
+            if deadline and time.monotonic() > deadline:  # the nodes' launchers stopped, the runner did not
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        if signals:
+            return 128 + signals[0]
         return rc if rc >= 0 else 128 - rc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -321,7 +364,10 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if multinode:
-        return run_multinode(cmd, env, shell=backend in (None, "pdsh"))
+        pdsh = backend in (None, "pdsh")
+        hosts = [h for h, _ in nodes]
+        stop = (lambda: stop_nodes(hosts, a.ssh_port, master, a.master_port)) if pdsh else None
+        return run_multinode(cmd, env, shell=pdsh, stop=stop)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0  # not reached
 

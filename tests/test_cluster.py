@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -244,3 +245,39 @@ def test_unreachable_host_is_refused_in_one_line(tmp_path, cluster):
     assert len(lines) == 1 and lines[0].startswith(f"config error: --hostfile='{hostfile}': "), r.stderr
     assert "127.0.0.3 is not: ssh: connect to host 127.0.0.3 port " in lines[0], lines
     assert "deepspeed" not in r.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_this_job_on_every_node_and_nothing_else(tmp_path, cluster):
+    """DeepSpeed's own handler would `pkill -f "<python> -u -m deepspeed.launcher.launch"` on every node
+    (a decoy with that command line stands for another job); the wrapper stops only this job's
+    launchers, which stop their ranks."""
+    from tests.test_launch import processes_mentioning
+
+    decoy = subprocess.Popen(["bash", "-c", f'exec -a "{PY} -u -m deepspeed.launcher.launch" sleep 900'])
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
+    run = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen([PY, "-m", "launch.run", "--hostfile", str(hostfile), "--ssh_port", cluster["MODE_SSH_PORT"],
+                             "--master_port", str(free_port()), "--config", "configs/tiny/dense.yaml", *RUN,
+                             "train.max_steps=100000", f"run.dir={run}"], cwd=ROOT, env=env(1),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 600
+        while not list(run.glob("tb/events.out.tfevents.*")):  # both ranks are past their rendezvous
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(1)
+        ranks = [pid for pid, cmd in processes_mentioning(str(run)) if "-m mode.train" in cmd]
+        assert len(ranks) == 2, processes_mentioning(str(run))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 130, log.read_text()[-3000:]
+        end = time.monotonic() + 30
+        while processes_mentioning(str(run)) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert processes_mentioning(str(run)) == [], log.read_text()[-3000:]
+        assert decoy.poll() is None  # DeepSpeed's handler would have killed it
+        assert "stopping this job's ranks on every node" in log.read_text()
+    finally:
+        decoy.kill()
+        if proc.poll() is None:
+            proc.kill()
