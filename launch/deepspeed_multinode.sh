@@ -16,9 +16,9 @@
 # every host must answer ssh (else one line naming it, exit 2). Every rank gets `--env KEY=VALUE`
 # (values arrive unchanged) and the OMP_*, NCCL_*, GLOO_*, TORCH_*, PYTORCH_*, HF_*, WANDB_*, MODE_*,
 # DS_ACCELERATOR, DEEPSPEED_TIMEOUT variables set here, through DeepSpeed's env file (a temporary
-# DS_ENV_FILE; ~/.deepspeed_env and ./.deepspeed_env lines are kept). Ctrl-C: DeepSpeed's handler
-# runs `pkill -f "<python> -u -m deepspeed.launcher.launch"` on every node, which also stops other
-# jobs started with the same interpreter there.
+# DS_ENV_FILE; ~/.deepspeed_env and ./.deepspeed_env lines are kept). Ctrl-C stops this job's
+# launcher on every node (found by master address and port), not DeepSpeed's `pkill -f "<python> -u
+# -m deepspeed.launcher.launch"` of every node's launchers.
 #
 # Variables: HOSTFILE (required for >1 node), NUM_NODES (default: all hosts), GPUS_PER_NODE (default:
 # hostfile slots), MASTER_ADDR (default: the first host, as every node resolves it), MASTER_PORT

@@ -16,7 +16,8 @@ Launchers:
   host that is not, exit 2). The master address is the first host unless `--master_addr` says
   otherwise; `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
   --node_rank R` the same command is run on every node (SLURM: launch/slurm.sbatch). Without a
-  hostfile: one node, `--num_gpus` processes.
+  hostfile: one node, `--num_gpus` processes. Ctrl-C (SIGTERM) on a pdsh launch stops this job's
+  launcher on every node over ssh, not every DeepSpeed launcher there (DeepSpeed's own handler).
 - `--launcher pdsh|openmpi|mpich|impi|mvapich|slurm`: DeepSpeed's runner with that multi-node
   backend (`deepspeed` is `pdsh`).
 - `--launcher torchrun`: run once per node with `--num_nodes N --node_rank R --master_addr A`.

@@ -248,20 +248,22 @@ def test_unreachable_host_is_refused_in_one_line(tmp_path, cluster):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_this_job_on_every_node_and_nothing_else(tmp_path, cluster):
-    """DeepSpeed's own handler would `pkill -f "<python> -u -m deepspeed.launcher.launch"` on every node
-    (a decoy with that command line stands for another job); the wrapper stops only this job's
-    launchers, which stop their ranks."""
+def test_ranks_over_ssh_get_the_environment_and_ctrl_c_stops_only_this_job(tmp_path, cluster):
+    """The ranks started over ssh hold DS_ACCELERATOR, OMP_NUM_THREADS, DEEPSPEED_TIMEOUT and an --env
+    value with shell syntax, unchanged. Ctrl-C: DeepSpeed's own handler would `pkill -f "<python> -u
+    -m deepspeed.launcher.launch"` on every node (a decoy with that command line stands for another
+    job); the wrapper stops only this job's launchers, which stop their ranks."""
     from tests.test_launch import processes_mentioning
 
     decoy = subprocess.Popen(["bash", "-c", f'exec -a "{PY} -u -m deepspeed.launcher.launch" sleep 900'])
     hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
     run = tmp_path / "run"
     log = tmp_path / "launch.log"
+    probe = 'a$HOME "c" `x` \\'
     proc = subprocess.Popen([PY, "-m", "launch.run", "--hostfile", str(hostfile), "--ssh_port", cluster["MODE_SSH_PORT"],
-                             "--master_port", str(free_port()), "--config", "configs/tiny/dense.yaml", *RUN,
-                             "train.max_steps=100000", f"run.dir={run}"], cwd=ROOT, env=env(1),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                             "--master_port", str(free_port()), "--env", f"MODE_PROBE={probe}", "--config",
+                             "configs/tiny/dense.yaml", *RUN, "train.max_steps=100000", f"run.dir={run}"], cwd=ROOT,
+                            env=dict(env(1), DEEPSPEED_TIMEOUT="7"), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 600
         while not list(run.glob("tb/events.out.tfevents.*")):  # both ranks are past their rendezvous
@@ -269,6 +271,11 @@ def test_ctrl_c_stops_this_job_on_every_node_and_nothing_else(tmp_path, cluster)
             time.sleep(1)
         ranks = [pid for pid, cmd in processes_mentioning(str(run)) if "-m mode.train" in cmd]
         assert len(ranks) == 2, processes_mentioning(str(run))
+        for pid in ranks:
+            environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            assert "SSH_CONNECTION" in environ  # started over ssh, not inherited from this process
+            assert (environ["DS_ACCELERATOR"], environ["OMP_NUM_THREADS"], environ["DEEPSPEED_TIMEOUT"],
+                    environ["MODE_PROBE"]) == ("cpu", "1", "7", probe)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 130, log.read_text()[-3000:]
         end = time.monotonic() + 30
