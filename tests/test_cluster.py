@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mode.compare import SLURM_ACTIVE
 from tests.test_launch import EP, EP_CONFIG, assert_losses_equal
 from tests.util import PY, ROOT, TINY, deepspeed_train, env, free_port, scalars
 
@@ -114,7 +115,7 @@ def wait_job(cluster: dict, job: str, timeout: float) -> str:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         state = job_field(cluster, job, "JobState")
-        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        if state and state not in SLURM_ACTIVE:
             return state
         time.sleep(1)
     subprocess.run(["scancel", job], env=cluster_env(cluster))
@@ -149,10 +150,17 @@ def test_sbatch_two_cpu_ranks_train_with_checkpoints_and_events(tmp_path, cluste
                          env=cluster_env(cluster, GPUS_PER_NODE="0"), capture_output=True, text=True,
                          check=True).stdout.strip()
     assert wait_job(cluster, job, 120) == "FAILED" and job_field(cluster, job, "ExitCode") == "2:0"
-    text = (submit_dir / f"slurm-{job}.out").read_text()  # no run.dir yet: SLURM's log stays where it is
-    assert text.strip().splitlines() == ["config error: GPUS_PER_NODE=0: ranks per node >= 1 (from GPUS_PER_NODE; "
-                                         "request --gpus-per-node=N or --ntasks-per-node=N)"], text
+    line = ("config error: GPUS_PER_NODE=0: ranks per node >= 1 (from GPUS_PER_NODE; request --gpus-per-node=N or "
+            "--ntasks-per-node=N)")
+    log = submit_dir / f"slurm-{job}.out"  # no run.dir yet: SLURM's log stays where it is
+    assert log.read_text().strip().splitlines() == [line], log.read_text()
     assert not (tmp_path / "zero").exists()
+
+    # A requeued job appends to its log (the template's --open-mode=append) instead of truncating it.
+    for cmd in (["requeue", job], ["update", f"JobId={job}", "StartTime=now"]):  # requeue waits 2 min otherwise
+        subprocess.run(["scontrol", *cmd], env=cluster_env(cluster), check=True)
+    assert wait_job(cluster, job, 120) == "FAILED" and job_field(cluster, job, "Restarts") == "1"
+    assert log.read_text().strip().splitlines() == [line, line], log.read_text()
 
 
 @pytest.mark.slow
