@@ -1,28 +1,37 @@
 #!/usr/bin/env bash
-# Multi-node training with the DeepSpeed launcher and a hostfile (passwordless ssh between nodes).
-# Run once, on the first node, from the repository root (same path on every node: shared FS):
+# Multi-node training with the DeepSpeed launcher and a hostfile, over pdsh + ssh.
+# Prerequisites: pdsh on node 0; passwordless ssh (key, no prompt) from node 0 to every node in the
+# hostfile, node 0 itself included; the same repository path, Python environment and run.dir on
+# every node (shared filesystem). Run once, on node 0, from the repository root:
 #
 #   HOSTFILE=launch/hostfile.example NUM_NODES=2 GPUS_PER_NODE=8 \
 #     launch/deepspeed_multinode.sh --config configs/cluster/mod.yaml [dotted.key=value ...]
+#   # runner options pass through: --ssh_port 2222, --master_addr 10.0.0.1, --launcher openmpi, --env K=V
+#   launch/deepspeed_multinode.sh --hostfile H --ssh_port 2222 --env NCCL_DEBUG=WARN --config ...
 #
 # Without ssh between nodes (or under a scheduler), run it on every node with NODE_RANK set:
 #   NO_SSH=1 NODE_RANK=0 MASTER_ADDR=node0 HOSTFILE=... launch/deepspeed_multinode.sh --config ...
 #
-# The config is validated before any worker starts (bad config: one `config error:` line, exit 2).
-# Environment for every rank: `--env KEY=VALUE` (before --config), plus OMP_*/NCCL_*/GLOO_*/MODE_*/
-# HF_* variables already set here; they reach the other nodes through DeepSpeed's .deepspeed_env.
+# Before anything starts: the config is validated (bad config: one `config error:` line, exit 2) and
+# every host must answer ssh (else one line naming it, exit 2). Every rank gets `--env KEY=VALUE`
+# (values arrive unchanged) and the OMP_*, NCCL_*, GLOO_*, TORCH_*, PYTORCH_*, HF_*, WANDB_*, MODE_*,
+# DS_ACCELERATOR, DEEPSPEED_TIMEOUT variables set here, through DeepSpeed's env file (a temporary
+# DS_ENV_FILE; ~/.deepspeed_env and ./.deepspeed_env lines are kept). Ctrl-C stops this job's
+# launcher on every node (found by master address and port), not DeepSpeed's `pkill -f "<python> -u
+# -m deepspeed.launcher.launch"` of every node's launchers.
 #
 # Variables: HOSTFILE (required for >1 node), NUM_NODES (default: all hosts), GPUS_PER_NODE (default:
-# hostfile slots), MASTER_ADDR (default: first host), MASTER_PORT (default 29500), NO_SSH, NODE_RANK,
-# PYTHON (default: python3 on PATH; activate the venv first).
+# hostfile slots), MASTER_ADDR (default: the first host, as every node resolves it), MASTER_PORT
+# (default 29500), SSH_PORT, NO_SSH, NODE_RANK, PYTHON (default: python3 on PATH; activate the venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 args=(--launcher deepspeed)
-[[ -n "${HOSTFILE:-}" ]] && args+=(--hostfile "$HOSTFILE")
-[[ -n "${NUM_NODES:-}" ]] && args+=(--num_nodes "$NUM_NODES")
-[[ -n "${GPUS_PER_NODE:-}" ]] && args+=(--num_gpus "$GPUS_PER_NODE")
-[[ -n "${MASTER_ADDR:-}" ]] && args+=(--master_addr "$MASTER_ADDR")
-[[ -n "${MASTER_PORT:-}" ]] && args+=(--master_port "$MASTER_PORT")
-[[ -n "${NO_SSH:-}" ]] && args+=(--no_ssh --node_rank "${NODE_RANK:?NODE_RANK is required with NO_SSH}")
+if [[ -n "${HOSTFILE:-}" ]]; then args+=(--hostfile "$HOSTFILE"); fi
+if [[ -n "${NUM_NODES:-}" ]]; then args+=(--num_nodes "$NUM_NODES"); fi
+if [[ -n "${GPUS_PER_NODE:-}" ]]; then args+=(--num_gpus "$GPUS_PER_NODE"); fi
+if [[ -n "${MASTER_ADDR:-}" ]]; then args+=(--master_addr "$MASTER_ADDR"); fi
+if [[ -n "${MASTER_PORT:-}" ]]; then args+=(--master_port "$MASTER_PORT"); fi
+if [[ -n "${SSH_PORT:-}" ]]; then args+=(--ssh_port "$SSH_PORT"); fi
+if [[ -n "${NO_SSH:-}" ]]; then args+=(--no_ssh --node_rank "${NODE_RANK:?NODE_RANK is required with NO_SSH}"); fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python3}" -m launch.run "${args[@]}" "$@"

@@ -11,23 +11,37 @@ and the exit status is the launcher's.
 Launchers:
 
 - `--launcher deepspeed` (default). With `--hostfile` (lines `host slots=N`) and ssh between
-  nodes, one command on the first node starts every node (pdsh). With `--no_ssh --node_rank R`
-  the same command is run on every node (SLURM: launch/slurm.sbatch). Without a hostfile: one
-  node, `--num_gpus` processes.
+  nodes, one command on the first node starts every node (pdsh). Every host must be reachable by
+  passwordless ssh from this node (itself included); that is checked first (one line naming the
+  host that is not, exit 2). The master address is the first host unless `--master_addr` says
+  otherwise; `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
+  --node_rank R` the same command is run on every node (SLURM: launch/slurm.sbatch). Without a
+  hostfile: one node, `--num_gpus` processes. Ctrl-C (SIGTERM) on a pdsh launch stops this job's
+  launcher on every node over ssh, not every DeepSpeed launcher there (DeepSpeed's own handler).
+- `--launcher pdsh|openmpi|mpich|impi|mvapich|slurm`: DeepSpeed's runner with that multi-node
+  backend (`deepspeed` is `pdsh`).
 - `--launcher torchrun`: run once per node with `--num_nodes N --node_rank R --master_addr A`.
 
 Environment: `--env KEY=VALUE` (repeatable) and the variables this machine's training needs
 (OMP_NUM_THREADS, DS_ACCELERATOR, PYTHONPATH and any MODE_*/NCCL_*/GLOO_* already set) are
-exported to every rank on every node: through DeepSpeed's `.deepspeed_env` mechanism (written
-to `<run.dir>/deepspeed_env`, merged with `~/.deepspeed_env` and `./.deepspeed_env`, selected
-with DS_ENV_FILE) for ssh launches, and through the environment of the launcher otherwise.
+exported to every rank on every node: through DeepSpeed's `.deepspeed_env` mechanism (a
+temporary file, merged with `~/.deepspeed_env` and `./.deepspeed_env`, selected with DS_ENV_FILE,
+removed when the launcher exits; values quoted so that the remote shell gives them back
+unchanged) for multi-node launches, and through the environment of the launcher otherwise. On CPU
+(DS_ACCELERATOR=cpu) OMP_NUM_THREADS defaults to the node's cores / ranks per node.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +49,11 @@ if str(ROOT) not in sys.path:  # `python launch/run.py` from any directory
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_PORT = 29500
-PASS_PREFIXES = ("MODE_", "NCCL_", "GLOO_", "TORCH_", "OMP_", "DS_ACCELERATOR", "HF_", "PYTHONPATH")
+PASS_PREFIXES = ("MODE_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "OMP_", "DS_ACCELERATOR", "DEEPSPEED_TIMEOUT", "HF_",
+                 "WANDB_", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
+DS_BACKENDS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")  # DeepSpeed runner's --launcher
+SSH_TIMEOUT_S = 15
+_SAFE = re.compile(r"[\w@%+=:,./-]*")  # what DeepSpeed's runner exports without wrapping it in double quotes
 
 
 def _err(key: str, value, allowed: str):
@@ -57,6 +75,8 @@ def read_hostfile(path: str | os.PathLike) -> dict[str, int]:
         parts = line.split()
         if len(parts) < 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit() or parts[0] in hosts:
             raise _err("--hostfile", str(path), f"`host slots=N` lines with distinct hosts (bad line: {line!r})")
+        if int(parts[1][6:]) < 1:
+            raise _err("--hostfile", str(path), f"`host slots=N` lines with N >= 1 (bad line: {line!r})")
         hosts[parts[0]] = int(parts[1][6:])
     if not hosts:
         raise _err("--hostfile", str(path), "at least one `host slots=N` line")
@@ -90,6 +110,10 @@ def plan_nodes(hostfile: str | None, num_nodes: int, num_gpus: int) -> list[tupl
 
 
 def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: int) -> int:
+    if num_gpus == 0 or num_gpus < -1:  # -1: the default
+        raise _err("--num_gpus", num_gpus, "processes per node >= 1 (or leave it out: hostfile slots / visible GPUs)")
+    if num_nodes == 0 or num_nodes < -1:
+        raise _err("--num_nodes", num_nodes, "nodes >= 1 (or leave it out: every host)")
     if launcher == "torchrun":
         return max(1, num_nodes) * (num_gpus if num_gpus > 0 else local_device_count())
     return sum(n for _, n in plan_nodes(hostfile, num_nodes, num_gpus))
@@ -107,9 +131,9 @@ def validate(config: str, overrides: list[str], world: int, node_rank: int | Non
     return cfg
 
 
-def pass_env(extra: list[str]) -> dict[str, str]:
+def pass_env(extra: list[str], ranks_per_node: int = 1) -> dict[str, str]:
     """Variables every rank on every node gets."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASS_PREFIXES) and "\n" not in v}
+    env = {k: v for k, v in os.environ.items() if k.startswith(PASS_PREFIXES) and "\n" not in v and v == v.strip()}
     pp = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(pp)
     try:
@@ -119,21 +143,33 @@ def pass_env(extra: list[str]) -> dict[str, str]:
             env.setdefault("DS_ACCELERATOR", "cpu")
     except Exception:  # noqa: BLE001
         pass
+    if env.get("DS_ACCELERATOR") == "cpu":  # else every rank starts one OpenMP thread per core
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))))
     for kv in extra:
-        if "=" not in kv:
-            raise _err("--env", kv, "KEY=VALUE")
-        k, v = kv.split("=", 1)
+        k, _, v = kv.partition("=")
+        if not _ or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise _err("--env", kv, "KEY=VALUE with KEY a shell variable name")
+        if "\n" in v or v != v.strip():  # DeepSpeed's env file is line-based and strips values
+            raise _err("--env", kv, "a value without newlines or leading/trailing whitespace")
         env[k] = v
     return env
 
 
-def write_deepspeed_env(path: Path, env: dict[str, str]) -> Path:
-    """DeepSpeed exports each KEY=VALUE line of its env file on every node it starts over ssh."""
+def shell_value(v: str) -> str:
+    """The env-file form of `v` that arrives unchanged through the pdsh runner: DeepSpeed wraps a
+    value holding anything but [\\w@%+=:,./-] in double quotes for the remote shell, where \\ $ ` "
+    would otherwise be interpreted; escaping them (which also guarantees the wrapping) undoes that."""
+    return v if _SAFE.fullmatch(v) else re.sub(r'([\\$`"])', r"\\\1", v)
+
+
+def write_deepspeed_env(path: Path, env: dict[str, str], shell: bool = False) -> Path:
+    """DeepSpeed exports each KEY=VALUE line of its env file on every node it starts (multi-node);
+    `shell`: values pass through the remote shell (pdsh), so quote them for it."""
     lines = []
     for f in (Path.home() / ".deepspeed_env", Path(".deepspeed_env")):  # keep the user's own file working
         if f.is_file():
             lines += [ln for ln in f.read_text().splitlines() if "=" in ln]
-    lines += [f"{k}={v}" for k, v in env.items()]
+    lines += [f"{k}={shell_value(v) if shell else v}" for k, v in env.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -142,8 +178,15 @@ def write_deepspeed_env(path: Path, env: dict[str, str]) -> Path:
 def deepspeed_command(config: str, overrides: list[str], *, hostfile: str | None = None, num_nodes: int = -1,
                       num_gpus: int = -1, node_rank: int | None = None, no_ssh: bool = False,
                       master_addr: str | None = None, master_port: int = DEFAULT_PORT,
-                      python: str = sys.executable) -> list[str]:
+                      python: str = sys.executable, backend: str | None = None, ssh_port: int | None = None,
+                      launcher_args: str | None = None) -> list[str]:
     cmd = [python, "-u", "-m", "deepspeed.launcher.runner"]
+    if backend:
+        cmd += ["--launcher", backend]
+    if launcher_args:
+        cmd += ["--launcher_args", launcher_args]
+    if ssh_port:
+        cmd += ["--ssh_port", str(ssh_port)]
     if hostfile:
         cmd += ["--hostfile", str(hostfile)]
     else:  # DeepSpeed reads /job/hostfile by default; a single node must not pick it up
@@ -170,12 +213,43 @@ def torchrun_command(config: str, overrides: list[str], *, num_nodes: int = 1, n
     return cmd + ["-m", "mode.train", "--config", config, *overrides]
 
 
+def ssh_options(ssh_port: int | None, timeout: float = SSH_TIMEOUT_S) -> list[str]:
+    """ssh as pdsh runs it for DeepSpeed (PDSH_SSH_ARGS_APPEND, then the runner's -p), never prompting."""
+    return ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}",
+            *shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))] + (["-p", str(ssh_port)] if ssh_port else [])
+
+
+def check_ssh(hostfile: str, hosts: list[str], ssh_port: int | None, timeout: float = SSH_TIMEOUT_S) -> None:
+    """Every host answers passwordless ssh (as pdsh will reach it), else one ConfigError naming the first
+    that does not: DeepSpeed checks only the first host, and an unreachable other one would hang the
+    ranks until the rendezvous timeout."""
+    procs = {h: subprocess.Popen(["ssh", *ssh_options(ssh_port, timeout), h, "true"], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for h in hosts}
+    bad = None
+    for h, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=timeout + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err = f"no answer in {timeout + 5:.0f} s"
+        if proc.returncode != 0 and bad is None:
+            lines = [ln.strip() for ln in (err or "").splitlines() if ln.strip()]
+            bad = (h, lines[-1] if lines else f"ssh exited with {proc.returncode}")
+    if bad:
+        port = f" (port {ssh_port})" if ssh_port else ""
+        raise _err("--hostfile", hostfile, f"hosts reachable by passwordless ssh{port} from this node; "
+                   f"{bad[0]} is not: {bad[1]}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="The remaining arguments are `mode train`'s: "
                                        "--config FILE [dotted.key=value ...]")
-    p.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
+    p.add_argument("--launcher", choices=("deepspeed", "torchrun", *DS_BACKENDS), default="deepspeed",
+                   help="deepspeed (its runner; pdsh over ssh for several nodes), torchrun, or a DeepSpeed "
+                        "multi-node backend")
     p.add_argument("--hostfile", default=None, help="`host slots=N` lines (deepspeed launcher)")
     p.add_argument("--num_nodes", "--num-nodes", type=int, default=-1, help="nodes to use (default: all hosts)")
     p.add_argument("--num_gpus", "--num-gpus", type=int, default=-1,
@@ -185,50 +259,118 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_ssh", "--no-ssh", action="store_true",
                    help="start only this node's ranks; run the same command on every node (SLURM)")
     p.add_argument("--master_addr", "--master-addr", default=None,
-                   help="address of node 0 (default: first hostfile host, or 127.0.0.1)")
+                   help="address of node 0 as every node reaches it (default: first hostfile host, or 127.0.0.1)")
     p.add_argument("--master_port", "--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_PORT)))
+    p.add_argument("--ssh_port", "--ssh-port", type=int, default=None, help="ssh port of every node (pdsh)")
+    p.add_argument("--launcher_args", "--launcher-args", default=None,
+                   help="options for the multi-node backend (pdsh, mpirun, ...), one quoted string")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="export to every rank (repeatable)")
-    p.add_argument("--validate-only", action="store_true", help="check the config and exit (0 or 2)")
+    p.add_argument("--validate-only", action="store_true",
+                   help="check the config, print the absolute run.dir and exit (0, or 2 on a bad config)")
     p.add_argument("--dry-run", action="store_true", help="check the config, print the launcher command, exit")
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     return p
 
 
+def stop_nodes(hosts: list[str], ssh_port: int | None, master_addr: str, master_port: int) -> None:
+    """SIGTERM this job's DeepSpeed launcher on every node (each stops its ranks). DeepSpeed's own
+    Ctrl-C handler would `pkill -f "<python> -u -m deepspeed.launcher.launch"` there, every job
+    started with this interpreter; a job's master address and port single out its launchers."""
+    pattern = (r"deepspeed\.launcher\.launch --world_info=\S+ --node_rank=[0-9]+ "
+               rf"--master_addr={re.escape(master_addr)} --master_port={master_port}( |$)")
+    procs = [subprocess.Popen(["ssh", *ssh_options(ssh_port), h, f"pkill -TERM -f -- {shlex.quote(pattern)}"],
+                              stdin=subprocess.DEVNULL) for h in hosts]
+    for proc in procs:
+        try:
+            proc.wait(timeout=SSH_TIMEOUT_S + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -> int:
+    """Start DeepSpeed's multi-node runner with our env file in a temporary directory (nothing in
+    run.dir: the ranks create it), wait, remove the file. With `stop` (pdsh) the runner runs in its
+    own session, so Ctrl-C and SIGTERM reach only this process, which calls `stop()` to end this
+    job's processes on every node; a second signal kills the runner."""
+    tmp = Path(tempfile.mkdtemp(prefix="mode-launch-"))
+    try:
+        env = {**os.environ, **env, "DS_ENV_FILE": str(write_deepspeed_env(tmp / "deepspeed_env", env, shell))}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=stop is not None)
+        signals = []
+
+        def on_signal(signum, _frame):
+            signals.append(signum)
+            if stop is None:  # same process group: a Ctrl-C reached the runner too (its own handler)
+                if signum == signal.SIGTERM:
+                    proc.send_signal(signal.SIGTERM)
+            elif len(signals) == 1:
+                print(f"launch.run: {signal.Signals(signum).name}: stopping this job's ranks on every node "
+                      "(again to kill the launcher)", file=sys.stderr, flush=True)
+                stop()
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        deadline = None
+        while (rc := proc.poll()) is None:
+            if signals and stop and deadline is None:
+                deadline = time.monotonic() + 30
+            if deadline and time.monotonic() > deadline:  # the nodes' launchers stopped, the runner did not
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        if signals:
+            return 128 + signals[0]
+        return rc if rc >= 0 else 128 - rc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     from mode.config import ConfigError
 
+    backend = a.launcher if a.launcher in DS_BACKENDS else None
+    multinode = False
     try:
         if a.no_ssh and a.node_rank is None:
             raise _err("--node_rank", None, "this node's rank (required with --no_ssh)")
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
         cfg = validate(a.config, a.overrides, world, a.node_rank)
-        env = pass_env(a.env)
+        nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
+        multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
+        env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
+        if multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only:
+            check_ssh(a.hostfile, [h for h, _ in nodes], a.ssh_port)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
     if a.validate_only:
         print(f"config ok: {a.config} ({world} ranks, run.dir={cfg.run.dir})", file=sys.stderr)
+        print(Path(cfg.run.dir).resolve())
         return 0
     if a.launcher == "torchrun":
         cmd = torchrun_command(a.config, a.overrides, num_nodes=a.num_nodes, num_gpus=a.num_gpus,
                                node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port)
     else:
         master = a.master_addr
-        if master is None and a.hostfile and len(plan_nodes(a.hostfile, a.num_nodes, a.num_gpus)) > 1 and a.no_ssh:
-            master = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus)[0][0]
+        if master is None and len(nodes) > 1 and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess
+            master = nodes[0][0]
         cmd = deepspeed_command(a.config, a.overrides, hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
-                                master_port=a.master_port)
+                                master_port=a.master_port, backend=backend, ssh_port=a.ssh_port,
+                                launcher_args=a.launcher_args)
     if a.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " \\\n  " + shlex.join(cmd))
         return 0
-    if a.launcher == "deepspeed" and a.hostfile and not a.no_ssh:
-        env_file = write_deepspeed_env(Path(cfg.run.dir).resolve() / "deepspeed_env", env)
-        env["DS_ENV_FILE"] = str(env_file)  # absolute: os.path.join(dir, abs) is abs
     sys.stdout.flush()
     sys.stderr.flush()
+    if multinode:
+        pdsh = backend in (None, "pdsh")
+        hosts = [h for h, _ in nodes]
+        stop = (lambda: stop_nodes(hosts, a.ssh_port, master, a.master_port)) if pdsh else None
+        return run_multinode(cmd, env, shell=pdsh, stop=stop)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0  # not reached
 

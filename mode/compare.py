@@ -30,12 +30,21 @@ Launchers:
 - `deepspeed`: the launch wrapper (`python -m launch.run`) with `launcher_options`
   `hostfile` (relative to the current directory), `num_nodes`, `num_gpus` (per node),
   `master_addr`, `master_port`, `env` (mapping exported to every rank on every node).
-- `slurm`: writes one sbatch command per run to `runs_dir/slurm/<run>.sh`
-  (`sbatch --nodes N --gpus-per-node G [sbatch_args] launch/slurm.sbatch --config ...`) and, with
-  `launcher_options.submit: true`, submits it (once: a job still queued or running is not
-  submitted again). `launcher_options`: `num_nodes` (1), `num_gpus` (per node; default nproc),
-  `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit` (false). The
-  report is written by the invocation that finds every run done.
+- `slurm`: writes one replayable submit script per unfinished run to `runs_dir/slurm/<run>.sh`
+  (the environment the job needs: this interpreter as PYTHON, PYTHONPATH, PATH, SLURM_CONF, the
+  variables launch/run.py passes to ranks, then `sbatch --nodes N --gpus-per-node G
+  [sbatch_args] launch/slurm.sbatch --config ...`; with `num_gpus: 0`, for partitions without
+  GPUs, `--ntasks-per-node nproc` instead) and, with `launcher_options.submit: true`, runs it
+  (once: a job still queued or running is not submitted again). Job logs (appended on requeue):
+  `runs_dir/slurm/<run>-<jobid>.out`. `launcher_options`: `num_nodes` (1), `num_gpus` (per node;
+  default nproc), `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit`
+  (false), `env` (mapping exported to the job). `--wait` (the default when stdin is a terminal;
+  `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
+  state) and writes the report when every run is done. A job that ended without finishing its
+  run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or COMPLETED before train.max_steps)
+  is reported with its state and log and is not submitted again unless `--resubmit` is given
+  (it then resumes from its newest checkpoint); the exit status is then 1 and no report is
+  written.
 
 Before the first run starts every run's config is resolved and checked (values, world size vs.
 expert-parallel size, tokenizer, an existing run directory of an incompatible config): a bad
@@ -69,7 +78,7 @@ EXPERIMENT_KEYS = ("name", "description", "runs_dir", "report_dir", "launcher", 
 VARIANT_KEYS = ("config", "seeds", "overrides", "description")
 LAUNCHER_OPTIONS = {"local": (),
                     "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "env"),
-                    "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script")}
+                    "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script", "env")}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -224,7 +233,7 @@ def world_size(exp: Experiment) -> int:
     if exp.launcher == "local":
         return exp.nproc
     if exp.launcher == "slurm":
-        return int(o.get("num_nodes", 1)) * int(o.get("num_gpus", exp.nproc))
+        return int(o.get("num_nodes", 1)) * slurm_ranks_per_node(exp)
     lr = _launch()
     hostfile = o.get("hostfile")
     return lr.world_size("deepspeed", hostfile, int(o.get("num_nodes", -1)),
@@ -265,12 +274,19 @@ def command(exp: Experiment, run: Run) -> list[str]:
         for k, v in (o.get("env") or {}).items():
             cmd += ["--env", f"{k}={v}"]
         return cmd + ["--config", run.config, *run.overrides]
-    # slurm
-    logs = exp.runs_dir / "slurm"
-    cmd = ["sbatch", f"--job-name={exp.name}-{run.name}", f"--output={logs}/{run.name}-%j.out",
-           f"--nodes={int(o.get('num_nodes', 1))}", f"--gpus-per-node={int(o.get('num_gpus', exp.nproc))}",
-           *[str(a) for a in o.get("sbatch_args") or []], str(o.get("script", ROOT / "launch" / "slurm.sbatch"))]
+    # slurm: ranks per node = GPUs per node, or tasks per node on a partition without GPUs
+    logs = exp.runs_dir.resolve() / "slurm"
+    gpus = int(o.get("num_gpus", exp.nproc))
+    ranks = [f"--gpus-per-node={gpus}"] if gpus > 0 else [f"--ntasks-per-node={exp.nproc}"]
+    cmd = ["sbatch", f"--job-name={exp.name}-{run.name}", f"--output={logs}/{run.name}-%j.out", "--open-mode=append",
+           f"--nodes={int(o.get('num_nodes', 1))}", *ranks, *[str(a) for a in o.get("sbatch_args") or []],
+           "--parsable", str(o.get("script", ROOT / "launch" / "slurm.sbatch"))]
     return cmd + ["--config", run.config, *run.overrides]
+
+
+def slurm_ranks_per_node(exp: Experiment) -> int:
+    gpus = int(exp.options.get("num_gpus", exp.nproc))
+    return gpus if gpus > 0 else exp.nproc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,44 +359,112 @@ def describe(run: Run) -> str:
 # Running.
 
 
-def _slurm_job_active(job_file: Path) -> bool:
-    if not job_file.exists() or shutil.which("squeue") is None:
-        return False
-    job = job_file.read_text().strip()
-    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
-    return r.returncode == 0 and bool(r.stdout.strip())
+SLURM_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED")
+SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.I)  # never written into a script file
 
 
-def run_slurm(exp: Experiment, runs: list[Run], env: dict, log) -> int:
-    """Write (and optionally submit) one sbatch command per unfinished run. Returns how many are pending."""
+def slurm_job_state(job: str) -> str:
+    """The job's state: squeue while SLURM holds it, then scontrol (until MinJobAge) or sacct;
+    UNKNOWN when none of them knows the job any more."""
+    for cmd, pick in ((["squeue", "-h", "-j", job, "-o", "%T"], lambda out: out.split()[0]),
+                      (["scontrol", "show", "job", "-o", job], lambda out: re.search(r"JobState=(\S+)", out)[1]),
+                      (["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], lambda out: out.split()[0])):
+        if shutil.which(cmd[0]) is None:
+            continue
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            if r.returncode == 0 and r.stdout.strip():
+                return pick(r.stdout.strip())
+        except (IndexError, TypeError):
+            pass
+    return "UNKNOWN"
+
+
+def slurm_script(exp: Experiment, run: Run, env: dict) -> str:
+    """A submit script that replays this submission: cwd, interpreter, environment, sbatch line."""
+    lr = _launch()
+    keep = {k: v for k, v in env.items() if (k.startswith(lr.PASS_PREFIXES) or k in (
+        "PATH", "VIRTUAL_ENV", "SLURM_CONF", "PYTHONUNBUFFERED")) and not SECRET_RE.search(k) and "\n" not in v}
+    keep.update({k: str(v) for k, v in (exp.options.get("env") or {}).items()})
+    keep.update(PYTHON=sys.executable, MODE_ROOT=str(ROOT))
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(keep.items()))
+    return (f"#!/usr/bin/env bash\n# {run.name}: {describe(run)}. Written by `mode compare {exp.path}`;\n"
+            f"# running it submits the run again (printing the job id).\nset -euo pipefail\n"
+            f"cd {shlex.quote(os.getcwd())}\n{exports}exec {shlex.join(command(exp, run))}\n")
+
+
+def _slurm_log(exp: Experiment, run: Run, job: str) -> Path:
+    return exp.runs_dir.resolve() / "slurm" / f"{run.name}-{job}.out"
+
+
+def _unfinished(exp: Experiment, run: Run, job: str, state: str) -> str:
+    run.status, run.resume_step = status(run)
+    where = f"stopped at step {run.resume_step}" if run.status == "resume" else "no checkpoint"
+    return (f"{run.name}: job {job} {state} without finishing the run ({where}); log: {_slurm_log(exp, run, job)}")
+
+
+def run_slurm(exp: Experiment, runs: list[Run], env: dict, log, resubmit: bool = False) -> tuple[dict, list[str]]:
+    """Write (and, with submit: true, submit) a script per unfinished run. Returns the jobs queued or
+    running ({run name: job id}) and one line per run whose last job ended without finishing it."""
     out = exp.runs_dir / "slurm"
     out.mkdir(parents=True, exist_ok=True)
-    pending = 0
+    active, failed = {}, []
     for i, r in enumerate(runs, 1):
+        tag = f"[{i}/{len(runs)}] {r.name}"
         if r.status == "done":
-            log(f"[{i}/{len(runs)}] {r.name}: {describe(r)}")
+            log(f"{tag}: {describe(r)}")
             continue
-        pending += 1
-        cmd = command(exp, r)
         script = out / f"{r.name}.sh"
-        script.write_text("#!/usr/bin/env bash\n# " + describe(r) + f"\ncd {shlex.quote(os.getcwd())}\n"
-                          + shlex.join(cmd) + "\n")
+        script.write_text(slurm_script(exp, r, env))
         script.chmod(0o755)
         job_file = out / f"{r.name}.jobid"
         if not exp.options.get("submit"):
-            log(f"[{i}/{len(runs)}] {r.name}: {describe(r)}; submit with: sh {script}")
+            log(f"{tag}: {describe(r)}; submit with: bash {script}")
             continue
-        if _slurm_job_active(job_file):
-            log(f"[{i}/{len(runs)}] {r.name}: job {job_file.read_text().strip()} is queued or running")
-            continue
-        res = subprocess.run([*cmd[:1], "--parsable", *cmd[1:]], env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            log(f"[{i}/{len(runs)}] {r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}")
-            return -1
-        job = res.stdout.strip().split(";")[0]
+        if job_file.exists():
+            job = job_file.read_text().strip()
+            state = slurm_job_state(job)
+            if state in SLURM_ACTIVE:
+                log(f"{tag}: job {job} is queued or running ({state})")
+                active[r.name] = job
+                continue
+            if not resubmit:
+                failed.append(_unfinished(exp, r, job, state))
+                log(f"{tag}: job {job} ended ({state}) without finishing the run; not resubmitted "
+                    "(--resubmit submits it again)")
+                continue
+        res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+        if res.returncode != 0 or not res.stdout.strip():
+            raise RuntimeError(f"{r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}")
+        job = res.stdout.strip().splitlines()[-1].split(";")[0]
         job_file.write_text(job + "\n")
-        log(f"[{i}/{len(runs)}] {r.name}: submitted job {job} ({describe(r)})")
-    return pending
+        active[r.name] = job
+        log(f"{tag}: submitted job {job} ({describe(r)}); log: {_slurm_log(exp, r, job)}")
+    return active, failed
+
+
+def wait_slurm(exp: Experiment, runs: list[Run], active: dict, log, poll_s: float) -> list[str]:
+    """Poll until every job has left the queue; one line per run that its job did not finish."""
+    by_name = {r.name: r for r in runs}
+    last: dict[str, str] = {}
+    failed = []
+    while active:
+        for name, job in list(active.items()):
+            state = slurm_job_state(job)
+            if state != last.get(name):
+                log(f"{name}: job {job} {state}")
+                last[name] = state
+            if state in SLURM_ACTIVE:
+                continue
+            del active[name]
+            r = by_name[name]
+            r.status, r.resume_step = status(r)
+            if r.status != "done":
+                failed.append(_unfinished(exp, r, job, state))
+        if active:
+            time.sleep(poll_s)
+    return failed
 
 
 class Stopped(Exception):
@@ -437,6 +521,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", metavar="VARIANT", default=None, help="run only these variants")
     p.add_argument("--runs-dir", default=None, help="override the experiment's runs_dir (e.g. a longer rerun)")
     p.add_argument("--seeds", default=None, metavar="0,1,...", help="override every variant's seeds (comma-separated)")
+    p.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
+                   help="launcher slurm: poll the jobs and write the report when they finish (default: when "
+                        "stdin is a terminal)")
+    p.add_argument("--poll", type=float, default=30.0, metavar="SECONDS", help="seconds between polls with --wait")
+    p.add_argument("--resubmit", action="store_true",
+                   help="launcher slurm: submit again the runs whose job ended without finishing them")
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="applied to every run")
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     only = [v for v in a.only or [] if "=" not in v] or None
@@ -496,12 +586,29 @@ def _run_all(a, exp: Experiment, runs: list[Run], env: dict, log, lock) -> int:
     write_plan(exp, runs)
 
     if exp.launcher == "slurm":
-        pending = run_slurm(exp, runs, env, log)
-        if pending < 0:
+        try:
+            active, failed = run_slurm(exp, runs, env, log, resubmit=a.resubmit)
+        except RuntimeError as e:
+            log(str(e))
             return 1
+        wait = a.wait if a.wait is not None else sys.stdin.isatty()
+        if wait and active:
+            log(f"waiting for {len(active)} job(s) (polling every {a.poll:g}s; Ctrl-C stops waiting, not the jobs)")
+            try:
+                failed += wait_slurm(exp, runs, active, log, a.poll)
+            except KeyboardInterrupt:
+                log(f"stopped waiting; the jobs keep running (`mode compare {a.experiment} --wait` waits again)")
+                return 130
+        for line in failed:
+            log(f"failed: {line}")
+        if failed:
+            log(f"{len(failed)} run(s) did not finish; no report. `mode compare {a.experiment} --resubmit` "
+                "resumes them")
+            return 1
+        pending = [r.name for r in runs if r.status != "done"]
         if pending:
-            log(f"{pending} run(s) not finished; invoke `mode compare {a.experiment}` again when they are "
-                "to write the report")
+            log(f"{len(pending)} run(s) not finished; `mode compare {a.experiment} --wait` waits for them and "
+                "writes the report")
             return 0
     else:
         t_all = time.perf_counter()

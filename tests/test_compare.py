@@ -136,7 +136,7 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     text = script.read_text()
     assert "sbatch --job-name=grid-dense_seed0" in text and "--nodes=2 --gpus-per-node=4 --partition=gpu" in text
     assert f"{ROOT / 'launch' / 'slurm.sbatch'} --config" in text and "run.name=dense" in text
-    assert "submit with: sh" in r.stderr and not r.stdout.strip() and not log.exists()
+    assert "submit with: bash" in r.stderr and not r.stdout.strip() and not log.exists()
 
     spec = yaml.safe_load(exp.read_text())
     spec["launcher_options"]["submit"] = True

@@ -242,8 +242,8 @@ def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
     r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                        env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "2 nodes x 1 GPUs, master 127.0.0.1" in r.stdout
-    assert (tmp_path / ".slurm" / "hostfile.4242").read_text() == "nodeA slots=1\nnodeB slots=1\n"
+    assert "2 nodes x 1 ranks (GPUs allocated per node), master 127.0.0.1" in r.stdout
+    assert (tmp_path / "run" / "slurm" / "hostfile.4242").read_text() == "nodeA slots=1\nnodeB slots=1\n"
     assert_losses_equal(one_launcher, tmp_path / "run", STEPS)
 
     # A bad config stops the job on the batch node: srun never runs.

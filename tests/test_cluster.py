@@ -1,0 +1,298 @@
+"""Cluster launch paths against real cluster software on this machine: a single-node SLURM 22.05
+(munge, slurmctld, slurmd) and pdsh over a loopback sshd with two hostnames, both brought up by
+launch/dev/local_cluster.sh. Skipped, with the reason, where Debian's `slurmctld slurmd
+slurm-client munge openssh-server pdsh` are not installed or we are not root."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mode.compare import SLURM_ACTIVE
+from tests.test_launch import EP, EP_CONFIG, assert_losses_equal
+from tests.util import PY, ROOT, TINY, deepspeed_train, env, free_port, scalars
+
+CLUSTER = ROOT / "launch" / "dev" / "local_cluster.sh"
+CLUSTER_DIR = Path(os.environ.get("MODE_CLUSTER_DIR", "/tmp/mode-local-cluster"))
+RUN = [*TINY, "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=2"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Without any daemon: the wrapper's own checks.
+
+
+def test_zero_ranks_are_refused_before_launch(tmp_path, capsys):
+    import launch.run as lr
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=1\nb slots=0\n")
+    for args in (["--num_gpus", "0"], ["--hostfile", str(hostfile)]):
+        assert lr.main([*args, "--validate-only", "--config", "configs/tiny/dense.yaml",
+                        f"run.dir={tmp_path / 'r'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"config error: {args[0]}="), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_env_values_survive_the_remote_shell():
+    """The pdsh runner exports `KEY=<value>` inside the remote shell command; what DeepSpeed builds from
+    our env-file line must evaluate back to the value (bash as the remote shell, as over ssh)."""
+    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+
+    import launch.run as lr
+
+    class Exports(MultiNodeRunner):  # DeepSpeed's own add_export, nothing else
+        def __init__(self):
+            self.exports = {}
+
+        def backend_exists(self):
+            return True
+
+        def get_cmd(self, environment, active_resources):
+            return []
+
+    values = ['a$HOME "c"', "back\\slash `x` 'q'", "plain/value:1", "sp ace", 'x"', "$(date)", "é ü", "!bang", ""]
+    runner = Exports()
+    for i, v in enumerate(values):
+        runner.add_export(f"V{i}", lr.shell_value(v))
+    script = "".join(f"export {k}={v}; " for k, v in runner.exports.items())
+    script += " ".join(f'printf "%s\\0" "$V{i}";' for i in range(len(values)))
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split("\0")[:-1] == values
+
+
+# ----------------------------------------------------------------------------------------------
+# The local cluster.
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (the local SLURM and sshd run as root)"
+    need = ["munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sshd", "pdsh", "ssh"]
+    gone = [b for b in need if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    if gone:
+        return (f"{', '.join(gone)} not installed (apt-get install slurmctld slurmd slurm-client munge "
+                "openssh-server pdsh)")
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Bring the local cluster up (or reuse it) and stop, by PID, what this module started."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0
+    r = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    e = {}
+    for line in (CLUSTER_DIR / "env.sh").read_text().splitlines():
+        k, v = line.removeprefix("export ").split("=", 1)
+        e[k] = v.strip('"')
+    yield e
+    if not was_up:
+        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
+
+
+def cluster_env(cluster: dict, **extra) -> dict:
+    return dict(env(1), **cluster, PYTHON=PY, MODE_ROOT=str(ROOT), **extra)
+
+
+def job_field(cluster: dict, job: str, key: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster_env(cluster), capture_output=True,
+                         text=True).stdout
+    return next((f.split("=", 1)[1] for f in out.split() if f.startswith(key + "=")), "")
+
+
+def wait_job(cluster: dict, job: str, timeout: float) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        state = job_field(cluster, job, "JobState")
+        if state and state not in SLURM_ACTIVE:
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=cluster_env(cluster))
+    raise AssertionError(f"job {job} still {state} after {timeout:.0f}s")
+
+
+@pytest.mark.slow
+def test_sbatch_two_cpu_ranks_train_with_checkpoints_and_events(tmp_path, cluster):
+    """A CPU partition: no GPUs allocated, --ntasks-per-node=2 sets two ranks; the job log and the
+    hostfile end up in run.dir, nothing in the submit directory."""
+    submit_dir, run = tmp_path / "submit", tmp_path / "run"
+    submit_dir.mkdir()
+    sbatch = ["sbatch", "--parsable", "--ntasks-per-node=2", str(ROOT / "launch" / "slurm.sbatch"), "--config",
+              str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=4", "checkpoint.every=2", f"run.dir={run}"]
+    job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
+                         check=True).stdout.strip()
+    state = wait_job(cluster, job, 600)
+    log = run / "slurm" / f"job-{job}.out"
+    assert state == "COMPLETED", (state, log.read_text() if log.exists() else list(submit_dir.iterdir()))
+    assert list(submit_dir.iterdir()) == []  # the default log moved to run.dir
+    text = log.read_text()
+    assert f"mode: job {job}: 1 nodes x 2 ranks (--ntasks-per-node)" in text and "OMP_NUM_THREADS=1" in text, text
+    assert (run / "slurm" / f"hostfile.{job}").read_text().strip().endswith(" slots=2")
+    assert (run / "DONE").exists() and json.loads((run / "run_info.json").read_text())["world_size"] == 2
+    from mode.checkpoint import latest
+
+    assert int(latest(run / "checkpoints").name.split("_")[1]) == 4
+    assert list(scalars(run, "train/loss")) == [1, 2, 3, 4]
+
+    # Zero ranks (the old `division by 0` that trained nothing): the job fails in one line, exit 2.
+    job = subprocess.run([*sbatch[:-1], f"run.dir={tmp_path / 'zero'}"], cwd=submit_dir,
+                         env=cluster_env(cluster, GPUS_PER_NODE="0"), capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert wait_job(cluster, job, 120) == "FAILED" and job_field(cluster, job, "ExitCode") == "2:0"
+    line = ("config error: GPUS_PER_NODE=0: ranks per node >= 1 (from GPUS_PER_NODE; request --gpus-per-node=N or "
+            "--ntasks-per-node=N)")
+    log = submit_dir / f"slurm-{job}.out"  # no run.dir yet: SLURM's log stays where it is
+    assert log.read_text().strip().splitlines() == [line], log.read_text()
+    assert not (tmp_path / "zero").exists()
+
+    # A requeued job appends to its log (the template's --open-mode=append) instead of truncating it.
+    for cmd in (["requeue", job], ["update", f"JobId={job}", "StartTime=now"]):  # requeue waits 2 min otherwise
+        subprocess.run(["scontrol", *cmd], env=cluster_env(cluster), check=True)
+    assert wait_job(cluster, job, 120) == "FAILED" and job_field(cluster, job, "Restarts") == "1"
+    assert log.read_text().strip().splitlines() == [line, line], log.read_text()
+
+
+@pytest.mark.slow
+def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(tmp_path, cluster):
+    """num_gpus 0 (a CPU partition). First every job fails (zero ranks forced through sbatch's
+    --export): reported by name, state and log, and not resubmitted by the next call; with the
+    experiment fixed, --resubmit submits them again, --wait waits, and the report is written."""
+    exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
+           "overrides": [*RUN, "train.max_steps=3", "checkpoint.every=3"],
+           "launcher_options": {"num_gpus": 0, "submit": True, "sbatch_args": ["--export=ALL,GPUS_PER_NODE=0"]},
+           "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")},
+                        "mod": {"config": str(ROOT / "configs/tiny/mod.yaml")}}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    slurm_dir = tmp_path / "runs" / "slurm"
+
+    def compare(*args):
+        return subprocess.run([PY, "-m", "mode.cli", "compare", str(path), "--poll", "1", *args], cwd=ROOT,
+                              env=cluster_env(cluster), capture_output=True, text=True, timeout=900)
+
+    r = compare("--wait")
+    assert r.returncode == 1 and "report:" not in r.stdout, r.stderr
+    jobs = {n: (slurm_dir / f"{n}_seed0.jobid").read_text().strip() for n in ("dense", "mod")}
+    for name, job in jobs.items():
+        log = slurm_dir / f"{name}_seed0-{job}.out"
+        assert (f"failed: {name}_seed0: job {job} FAILED without finishing the run (no checkpoint); log: {log}"
+                in r.stderr), r.stderr
+        assert "config error: GPUS_PER_NODE=0" in log.read_text()
+    script = (slurm_dir / "dense_seed0.sh").read_text()
+    assert f"export PYTHON={PY}\n" in script and "--ntasks-per-node=1" in script and "--gpus-per-node" not in script
+    assert f"export SLURM_CONF={cluster['SLURM_CONF']}\n" in script and "--open-mode=append" in script
+
+    r = compare("--no-wait")  # the failures are not resubmitted silently
+    assert r.returncode == 1 and r.stderr.count("not resubmitted") == 2, r.stderr
+    assert {n: (slurm_dir / f"{n}_seed0.jobid").read_text().strip() for n in jobs} == jobs
+
+    exp["launcher_options"]["sbatch_args"] = []
+    path.write_text(yaml.safe_dump(exp))
+    r = compare("--resubmit", "--wait")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
+    assert r.stderr.count("submitted job") == 2 and "waiting for 2 job(s)" in r.stderr
+    for name in jobs:
+        d = tmp_path / "runs" / f"{name}_seed0"
+        assert (d / "DONE").exists() and list(scalars(d, "train/loss")) == [1, 2, 3]
+        job = (slurm_dir / f"{name}_seed0.jobid").read_text().strip()
+        assert job != jobs[name] and job_field(cluster, job, "JobState") == "COMPLETED"
+
+
+# ----------------------------------------------------------------------------------------------
+# pdsh over ssh: two "nodes" (mode-node0 = 127.0.0.1, mode-node1 = 127.0.0.2).
+
+
+def write_hosts(path: Path, *hosts: str) -> Path:
+    path.write_text("".join(f"{h} slots=1\n" for h in hosts))
+    return path
+
+
+@pytest.mark.slow
+def test_pdsh_two_nodes_match_one_node(tmp_path, cluster):
+    """One command on node 0 starts both nodes over ssh (no --master_addr: the first host is the
+    master); DS_ACCELERATOR and OMP_NUM_THREADS reach the remote ranks through the env file, so the
+    expert-parallel losses are those of one launcher with two ranks, bit for bit."""
+    steps = 4
+    run_args = [*RUN, *EP, f"train.max_steps={steps}"]
+    ref = tmp_path / "one_node"
+    deepspeed_train(2, EP_CONFIG, *run_args, f"run.dir={ref}")
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
+    run = tmp_path / "two_nodes"
+    r = subprocess.run([PY, "-m", "launch.run", "--hostfile", hostfile, "--ssh_port", cluster["MODE_SSH_PORT"],
+                        "--master_port", str(free_port()), "--config", EP_CONFIG, *run_args, f"run.dir={run}"],
+                       cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "--master_addr=mode-node0" in r.stdout + r.stderr
+    assert_losses_equal(ref, run, steps)
+    assert not (run / "deepspeed_env").exists()
+
+
+@pytest.mark.slow
+def test_unreachable_host_is_refused_in_one_line(tmp_path, cluster):
+    """127.0.0.3 has no sshd: refused before DeepSpeed starts, instead of ranks waiting for it for
+    the rendezvous timeout; nothing is written into run.dir."""
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "127.0.0.3")
+    t0 = time.monotonic()
+    r = subprocess.run([PY, "-m", "launch.run", "--hostfile", hostfile, "--ssh_port", cluster["MODE_SSH_PORT"],
+                        "--config", "configs/tiny/dense.yaml", *RUN, f"run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and time.monotonic() - t0 < 60, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: --hostfile='{hostfile}': "), r.stderr
+    assert "127.0.0.3 is not: ssh: connect to host 127.0.0.3 port " in lines[0], lines
+    assert "deepspeed" not in r.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_ranks_over_ssh_get_the_environment_and_ctrl_c_stops_only_this_job(tmp_path, cluster):
+    """The ranks started over ssh hold DS_ACCELERATOR, OMP_NUM_THREADS, DEEPSPEED_TIMEOUT and an --env
+    value with shell syntax, unchanged. Ctrl-C: DeepSpeed's own handler would `pkill -f "<python> -u
+    -m deepspeed.launcher.launch"` on every node (a decoy with that command line stands for another
+    job); the wrapper stops only this job's launchers, which stop their ranks."""
+    from tests.test_launch import processes_mentioning
+
+    decoy = subprocess.Popen(["bash", "-c", f'exec -a "{PY} -u -m deepspeed.launcher.launch" sleep 900'])
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
+    run = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    probe = 'a$HOME "c" `x` \\'
+    proc = subprocess.Popen([PY, "-m", "launch.run", "--hostfile", str(hostfile), "--ssh_port", cluster["MODE_SSH_PORT"],
+                             "--master_port", str(free_port()), "--env", f"MODE_PROBE={probe}", "--config",
+                             "configs/tiny/dense.yaml", *RUN, "train.max_steps=100000", f"run.dir={run}"], cwd=ROOT,
+                            env=dict(env(1), DEEPSPEED_TIMEOUT="7"), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 600
+        while not list(run.glob("tb/events.out.tfevents.*")):  # both ranks are past their rendezvous
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(1)
+        ranks = [pid for pid, cmd in processes_mentioning(str(run)) if "-m mode.train" in cmd]
+        assert len(ranks) == 2, processes_mentioning(str(run))
+        for pid in ranks:
+            environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            assert "SSH_CONNECTION" in environ  # started over ssh, not inherited from this process
+            assert (environ["DS_ACCELERATOR"], environ["OMP_NUM_THREADS"], environ["DEEPSPEED_TIMEOUT"],
+                    environ["MODE_PROBE"]) == ("cpu", "1", "7", probe)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 130, log.read_text()[-3000:]
+        end = time.monotonic() + 30
+        while processes_mentioning(str(run)) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert processes_mentioning(str(run)) == [], log.read_text()[-3000:]
+        assert decoy.poll() is None  # DeepSpeed's handler would have killed it
+        assert "stopping this job's ranks on every node" in log.read_text()
+    finally:
+        decoy.kill()
+        if proc.poll() is None:
+            proc.kill()
