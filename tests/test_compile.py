@@ -18,6 +18,7 @@ from mode.config import ModConfig, ModelConfig, MoEConfig
 from mode.mod import MoDBlock
 from mode.model import build_model
 from mode.model.blocks import DenseBlock, MoEBlock
+from mode.routed import Ctx, Routed
 
 D, H, S, B, V = 32, 2, 16, 2, 64
 
@@ -102,10 +103,9 @@ def block(kind: str):
 
 
 def run_block(blk, x_BSD, pos_BS):
-    out = blk(x_BSD, pos_BS)
-    aux = getattr(blk, "aux_loss", None)
-    mlp_aux = getattr(getattr(blk, "mlp", None), "aux_loss", None)
-    loss = (out * torch.linspace(-1, 1, D)).sum() + sum(a for a in (aux, mlp_aux) if a is not None)
+    out = blk(x_BSD, Ctx(pos_BS))  # the block contract: the residual update
+    aux = [m.aux_loss for m in blk.modules() if isinstance(m, Routed) and m.aux_loss is not None]
+    loss = (out * torch.linspace(-1, 1, D)).sum() + sum(aux)
     return out, loss
 
 
