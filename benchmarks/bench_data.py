@@ -103,12 +103,15 @@ print(json.dumps({"seconds": dt, "tokens": tokens, "bytes": nbytes, "tokens_per_
                   "mb_per_s": nbytes / dt / 1e6, "path": str(path)}))
 """
 
-# Peak RSS (ru_maxrss) over the baseline taken after the imports; the loop reads `n` batches.
+# Peak RSS (VmHWM: this process image's own high-water mark; ru_maxrss would carry the parent's
+# over exec) over the RSS after the imports; the loop reads `n` batches.
 LOADER = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np, torch
 from mode.config import DataConfig
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) / 1024
+base = status("VmRSS")
 kind, src, out, B, S, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 cfg = DataConfig(source=src, seq_len=S, prepared_dir=out, num_workers=1, val_fraction=0.01)
 t0 = time.perf_counter()
@@ -126,7 +129,7 @@ t1 = time.perf_counter()
 for step in range(1, n + 1):
     x, y = dm.train_batch(step, 0, B, 1)
 dt = time.perf_counter() - t1
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = status("VmHWM")
 print(json.dumps({"first_batch_s": first, "batches_per_s": n / dt, "peak_rss_over_baseline_mb": peak - base,
                   "baseline_mb": base}))
 """
