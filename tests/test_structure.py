@@ -113,3 +113,22 @@ def test_every_block_returns_its_update_and_reports_engaged_tokens(mod):
             # tokens no sublayer engaged get exactly zero (x + 0 == x bit for bit)
             touched = eng if not mod.get("decoupled") else block.attn.last_selected_BS | block.mlp.last_selected_BS
             assert (delta[~touched] == 0).all() and (delta[touched] != 0).any(-1).all()
+
+
+def test_checkpoints_from_before_the_sublayer_split_still_load():
+    # Bug caught: renaming block weights (attention/MLP became sublayers) orphaning every saved run.
+    import re
+
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=2,
+                      mod=ModConfig(layers=[1], capacity=0.5))
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    old_names = {"attn.norm.": "norm_attn.", "attn.attn.": "attn.", "mlp.norm.": "norm_mlp.", "mlp.mlp.": "mlp."}
+    old = {re.sub(r"^(blocks\.\d+\.(?:inner\.)?)(attn\.norm\.|attn\.attn\.|mlp\.norm\.|mlp\.mlp\.)",
+                  lambda m: m.group(1) + old_names[m.group(2)], k): v.clone() for k, v in model.state_dict().items()}
+    assert "blocks.1.inner.norm_attn.weight" in old and "blocks.0.mlp.w_in.weight" in old
+    torch.manual_seed(1)
+    fresh = build_model(cfg)
+    fresh.load_state_dict(old)  # strict
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k

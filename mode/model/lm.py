@@ -4,6 +4,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,23 @@ class LMOutput:
     """Tag -> on-device scalar, e.g. `mod/layer1/predictor_acc`."""
     loss: torch.Tensor | None = None
     """Mean next-token cross-entropy when targets were given (aux_loss not included)."""
+
+
+_OLD_BLOCK_KEY = re.compile(r"^(blocks\.\d+\.(?:inner\.)?)(norm_attn|attn|norm_mlp|mlp)\.")
+_NEW_SUBLAYER = {"norm_attn": "attn.norm.", "attn": "attn.attn.", "norm_mlp": "mlp.norm.", "mlp": "mlp.mlp."}
+
+
+def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
+    """Checkpoints written before attention and MLP became sublayers name block weights
+    `blocks.N.norm_attn.weight`, `blocks.N.attn.qkv.weight`, `blocks.N.mlp.w_in.weight`: rename
+    them in place so old runs still resume and sample."""
+    if not any(k.startswith(prefix) and ".norm_attn." in k for k in state_dict):
+        return
+    for k in list(state_dict):
+        m = _OLD_BLOCK_KEY.match(k[len(prefix):]) if k.startswith(prefix) else None
+        if m:
+            new = prefix + m.group(1) + _NEW_SUBLAYER[m.group(2)] + k[len(prefix) + m.end():]
+            state_dict[new] = state_dict.pop(k)
 
 
 def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
@@ -57,6 +75,7 @@ class LM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.routed = [m for m in self.modules() if isinstance(m, Routed)]
+        self._register_load_state_dict_pre_hook(_upgrade_old_block_keys)
 
     def forward(self, input_ids_BS, targets_BS=None, routing: str = "topk", pos_BS=None,
                 caches: list[KVCache] | None = None) -> LMOutput:
