@@ -14,27 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
-WEIGHTS = "model.safetensors"
-TOKENIZER_DIR = "tokenizer"
-
-
-def is_export(path: str | Path) -> bool:
-    return (Path(path) / WEIGHTS).is_file() and (Path(path) / "config.yaml").is_file()
-
-
-def save_weights(model: torch.nn.Module, path: Path) -> None:
-    # save_model drops the tied head weight (an alias of the embedding) instead of refusing it.
-    from safetensors.torch import save_model
-
-    save_model(model, str(path))
-
-
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    from safetensors.torch import load_model
-
-    load_model(model, str(path), strict=True, device="cpu")
+from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights, save_weights  # noqa: F401
 
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:

@@ -131,7 +131,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     file the weights came from is returned fourth. A missing run or checkpoint is a ConfigError."""
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
-    from mode.export import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
+    from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
