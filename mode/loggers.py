@@ -3,8 +3,9 @@ Weights & Biases (`log.wandb`, optional extra `wandb`). Each logged step is one 
 one JSONL line, one W&B log call, one scalar per tag in TensorBoard.
 
 Tokens and FLOPs as x-axes: TensorBoard has one step axis per tag, so the loss is also logged
-under `<split>/loss_vs_tokens` (step = tokens seen) and `<split>/loss_vs_gflops` (step = training
-GFLOPs seen: FLOPs themselves overflow TensorBoard's int64 step at cluster scale). JSONL and W&B
+under `<split>/loss_vs_tokens` (step = tokens seen) and `<split>/loss_vs_mflops` (step = training
+MFLOPs seen: FLOPs themselves overflow TensorBoard's int64 step past 9.2e18, MFLOPs only past 9.2e24,
+and stay distinct per step for the tiny CPU models). JSONL and W&B
 rows carry `train/tokens_seen` and `train/flops_seen`, so any column can be the x-axis there.
 """
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Loggers:
             loss = scalars.get(f"{split}/loss")
             if loss is not None and "train/tokens_seen" in scalars:
                 self.tb.add_scalar(f"{split}/loss_vs_tokens", loss, int(scalars["train/tokens_seen"]))
-                self.tb.add_scalar(f"{split}/loss_vs_gflops", loss, int(scalars["train/flops_seen"] / 1e9))
+                self.tb.add_scalar(f"{split}/loss_vs_mflops", loss, int(scalars["train/flops_seen"] / 1e6))
         self.tb.flush()
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in scalars.items()}}
