@@ -26,7 +26,7 @@ from mode.config import ConfigError
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", "checkpoints", "routing.pt", "deepspeed_env", LOCK,
-             "metrics.jsonl", "wandb", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
+             "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = ("checkpoints", "tb", "run_info.json", LOCK)
 
