@@ -53,7 +53,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_diff(old: dict, new: dict) -> list[str]:
-    a, b = _flatten(old), _flatten(new)
+    # A key added to the schema after a run was saved reads as its default: an older run still
+    # resumes unless the new key is set to something else.
+    a = {**_flatten(Config().to_dict()), **_flatten(old)}
+    b = _flatten(new)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
 

@@ -111,3 +111,17 @@ def test_accumulator_reduces_maxima_with_max_across_ranks():
     q = ctx.Queue()
     mp.start_processes(_two_rank_accumulator, args=(free_port(), q), nprocs=2, start_method="spawn")
     assert q.get(timeout=60) == {"load_max": 5.0, "loss": 2.0}
+
+
+def test_a_run_saved_before_a_key_existed_still_resumes():
+    """config_diff reads keys missing from a saved config as their defaults (a schema that grew must
+    not lock old runs out), and still reports a new key set to a non-default value."""
+    from mode.config import load_config
+    from mode.train import config_diff
+
+    new = load_config("configs/tiny/dense.yaml").to_dict()
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in new.items()}
+    del old["data"]["sample_by"]  # as saved by a version without the key
+    assert config_diff(old, new) == []
+    new["data"]["sample_by"] = "line"
+    assert config_diff(old, new) == ["data.sample_by: 'document' -> 'line'"]
