@@ -24,7 +24,7 @@ from mode.data import DataModule, build_tokenizer
 from mode.flops import count as count_flops
 from mode.metrics import Accumulator, TBWriter
 from mode.model import build_model
-from mode.plan import has_depth_routing
+from mode.plan import routes_at_sampling
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
@@ -171,7 +171,7 @@ class Trainer:
         model = self.engine.module
         model.eval()
         acc = Accumulator()
-        routings = ("topk", "causal") if has_depth_routing(model.plan) else ("topk",)
+        routings = ("topk", "causal") if routes_at_sampling(model.plan) else ("topk",)
         for x, y in self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch_size):
             x, y = x.to(self.dev), y.to(self.dev)
             for r in routings:

@@ -56,13 +56,17 @@ class LM(nn.Module):
         self.routed = [m for m in self.modules() if isinstance(m, Routed)]
 
     def forward(self, input_ids_BS, targets_BS=None, routing: str = "topk", pos_BS=None,
-                caches: list[KVCache] | None = None) -> LMOutput:
+                caches: list[KVCache] | None = None, valid_BS=None) -> LMOutput:
+        """`routing` topk (training) or causal (sampling-time semantics, DESIGN.md 3.4). With
+        `caches` (generation, routing causal): several tokens per row are a prefill into empty
+        caches (right-padded prompts: `valid_BS` False marks the padding), one token per row a
+        decoding step at positions `pos_BS`."""
         B, S = input_ids_BS.shape
         if pos_BS is None:
             pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         x_BSD = self.embed(input_ids_BS)
         for i, block in enumerate(self.blocks):
-            ctx = Ctx(pos_BS, None, caches[i] if caches is not None else None, routing)
+            ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             x_BSD = x_BSD + block(x_BSD, ctx)  # every block returns its residual update
         logits_BSV = self.head(self.norm(x_BSD))
         aux = logits_BSV.new_zeros((), dtype=torch.float32)
