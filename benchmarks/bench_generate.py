@@ -104,19 +104,21 @@ class Stats:
 
 @torch.no_grad()
 def decode(model, prompt_BP, new: int):
-    """Prefill, then `new - 1` greedy decoding steps (the generate_ids path). Returns
-    (prefill seconds, decode seconds, Stats)."""
+    """Prefill, then `new - 1` decoding steps (the generate_ids path), sampling at temperature 1
+    (greedy decoding of an untrained model repeats one token: no spread of routing decisions).
+    Returns (prefill seconds, decode seconds, Stats)."""
     B, P = prompt_BP.shape
     caches = model.new_caches(B, P + new)
     stats = Stats(model)
+    gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     out = model(prompt_BP, routing="causal", caches=caches)
-    nxt = out.logits[:, -1].argmax(-1)
+    nxt = torch.multinomial(out.logits[:, -1].softmax(-1), 1, generator=gen)[:, 0]
     t1 = time.perf_counter()
     for j in range(new - 1):
         pos = torch.full((B, 1), P + j, dtype=torch.long)
         out = model(nxt[:, None], routing="causal", pos_BS=pos, caches=caches)
-        nxt = out.logits[:, 0].argmax(-1)
+        nxt = torch.multinomial(out.logits[:, 0].softmax(-1), 1, generator=gen)[:, 0]
         stats.add(caches)
     return t1 - t0, time.perf_counter() - t1, stats
 
@@ -131,8 +133,43 @@ def step_by_step(model, prompt_BP):
     return time.perf_counter() - t0
 
 
+@torch.no_grad()
+def compare_runs(run_dirs: list[str], new: int = 64) -> list[str]:
+    """Trained MoD runs that differ in model.mod.causal: eval gap (causal - top-k), the fraction
+    of tokens each routed layer processes at decode vs its capacity, and decode tokens/s at batch 1
+    (prompts: the first validation sequences' first 64 tokens)."""
+    from mode.data import DataModule
+    from mode.generate import load_run
+    from tests.util import scalars
+
+    rows = ["| run (causal) | eval/loss | eval/loss_causal | gap | capacity | decode processed (per routed layer) "
+            "| decode tok/s (batch 1) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for d in run_dirs:
+        model, tok, cfg = load_run(d)
+        last = lambda tag: list(scalars(d, tag).values())[-1]  # noqa: E731
+        ev, evc = last("eval/loss"), last("eval/loss_causal")
+        x, _ = next(DataModule(cfg.data).val_batches(1, 4))
+        stats, dt, n = Stats(model), 0.0, 0
+        for row in x[:, :64]:
+            prompt = row[None]
+            caches = model.new_caches(1, prompt.shape[1] + new)
+            out = model(prompt, routing="causal", caches=caches)
+            nxt = out.logits[:, -1].argmax(-1)
+            t0 = time.perf_counter()
+            for j in range(new - 1):
+                pos = torch.full((1, 1), prompt.shape[1] + j, dtype=torch.long)
+                out = model(nxt[:, None], routing="causal", pos_BS=pos, caches=caches)
+                nxt = out.logits[:, 0].argmax(-1)
+                stats.add(caches)
+            dt, n = dt + time.perf_counter() - t0, n + new - 1
+        rows.append(f"| {cfg.model.mod.causal} | {ev:.4f} | {evc:.4f} | {evc - ev:+.4f} | {cfg.model.mod.capacity} | "
+                    f"{stats.routed_fracs()} | {n / dt:,.1f} |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", nargs="+", help="compare trained runs (model.mod.causal variants) instead")
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -144,13 +181,16 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
+    if a.runs:
+        print("\n".join(compare_runs(a.runs)))
+        return
     g = torch.Generator().manual_seed(0)
     calib = torch.randint(0, 257, (8, a.prompt), generator=g)
     models = {name: build(cfg, calib) for name, cfg in configs(a.d_model, a.layers, a.heads, a.d_ff,
                                                                   a.capacity).items()}
     lines = [f"\n## Generation: decode tokens/s vs FLOP limit (`benchmarks/bench_generate.py`)\n",
              f"Shape: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, SwiGLU d_ff {a.d_ff}, vocab 320, "
-             f"fp32; prompt {a.prompt} random tokens, {a.new} new tokens (greedy), MoD capacity {a.capacity} "
+             f"fp32; prompt {a.prompt} random tokens, {a.new} new tokens (sampled), MoD capacity {a.capacity} "
              f"every other layer, calibrated threshold. Machine: {platform.machine()} {os.cpu_count()} cores, "
              f"torch {torch.__version__}. Speedup = tokens/s over dense's in the same (batch, threads) round; "
              f"limit = dense decode FLOPs / model decode FLOPs from the fractions processed (per routed layer; "
@@ -174,7 +214,7 @@ def main():
                        f"{st.routed_fracs()} |")
                 lines.append(row)
                 print(row, flush=True)
-            if B in (1, 8) and th == int(a.threads.split(",")[-1]):
+            if B == 1 and th == int(a.threads.split(",")[-1]):
                 for name, m in models.items():
                     sbs = step_by_step(m, prompt)
                     pre_rows.append(f"| {th} | {B} | {name} | {res[name][3] * 1e3:,.1f} | {sbs * 1e3:,.1f} | "
