@@ -51,18 +51,61 @@ def _check_knob(cfg, knob: str) -> None:
                           "model.moe.capacity_factor)")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad options: one line, exit 2 (no usage block)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _generate(argv) -> int:
+    from pathlib import Path
+
+    from mode.config import ConfigError
     from mode.generate import cli_generate
 
-    p = argparse.ArgumentParser(prog="mode generate", description="Sample with KV cache and causal routing.")
+    p = _OneLineParser(prog="mode generate", description="Sample from a trained run (KV cache, prefill, causal "
+                       "routing: a prompt's output does not depend on the other prompts of the batch).")
     p.add_argument("--run", required=True, help="run directory (config.yaml, checkpoints/) or `mode export` directory")
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch of prompts")
+    p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax; --top-k/--top-p unused)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this mass; 1 = all")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="cut the completion before this string (repeatable); a row also stops at EOS")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt and line: prompt, completion, num_tokens")
     a = p.parse_args(argv)
-    for text in cli_generate(a.run, a.prompt, a.max_new_tokens, a.temperature, a.seed):
-        print(text)
+    checks = [("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
+              ("--temperature", a.temperature, a.temperature >= 0, ">= 0 (0 = greedy)"),
+              ("--top-k", a.top_k, a.top_k >= 0, ">= 0 (0 = all)"),
+              ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
+              ("--stop", a.stop, all(a.stop), "non-empty strings")]
+    for key, value, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(key, value, allowed)
+    prompts = list(a.prompt)
+    if a.prompt_file:
+        f = Path(a.prompt_file)
+        if not f.is_file():
+            raise ConfigError("--prompt-file", a.prompt_file, "an existing text file, one prompt per line")
+        prompts += f.read_text().splitlines()
+    if not prompts:
+        raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
+    try:
+        outs = cli_generate(a.run, prompts, a.max_new_tokens, a.temperature, a.seed, a.top_k, a.top_p, a.stop,
+                            completions=True)
+    except FileNotFoundError as e:  # no run directory / no complete checkpoint
+        raise ConfigError("--run", a.run, msg=None, allowed=str(e)) from None
+    for i, c in enumerate(outs):
+        if a.json:
+            print(json.dumps({"prompt": c.prompt, "completion": c.completion, "num_tokens": c.num_tokens}))
+        else:  # a header line per prompt: completions may span lines
+            print(f"=== [{i}] {c.num_tokens} tokens ===\n{c.prompt}{c.completion}")
     return 0
 
 

@@ -76,13 +76,15 @@ class ModConfig:
     routing: str = "learned"
     """`learned` top-k on router scores, or `stochastic` (random top-k: the paper's control)."""
     causal: str = "predictor"
-    """Causal routing for sampling: `aux_loss` (BCE on router logits), `predictor` (stop-gradient MLP), `both`, or `none`."""
+    """Causal routing for sampling: `aux_loss` (BCE on router logits), `predictor` (stop-gradient MLP), `both`, `threshold` (process tokens whose router score exceeds a running average of the k-th largest score seen in training), or `none` (sign of the router score)."""
     aux_loss_weight: float = 0.01
     """Weight of the router BCE loss (used when causal is aux_loss or both)."""
     predictor_loss_weight: float = 1.0
     """Weight of the predictor BCE loss; it only trains the predictor (its input is detached)."""
     predictor_hidden: int = 0
     """Predictor MLP hidden width; 0 means d_model // 2."""
+    threshold_momentum: float = 0.99
+    """With causal: threshold, the EMA momentum of the per-layer threshold (mean over rows of the k-th largest router score, updated every training micro-step, averaged over data-parallel ranks; a checkpointed buffer)."""
 
     def validate(self, n_layers: int) -> None:
         _check_layers(self.layers, "model.mod.layers", n_layers)
@@ -101,8 +103,10 @@ class ModConfig:
         _check(self.kv in ("selected", "all"), "model.mod.kv", self.kv, "selected or all")
         _check(self.gate in ("identity", "sigmoid"), "model.mod.gate", self.gate, "identity or sigmoid")
         _check(self.routing in ("learned", "stochastic"), "model.mod.routing", self.routing, "learned or stochastic")
-        _check(self.causal in ("aux_loss", "predictor", "both", "none"), "model.mod.causal", self.causal,
-               "aux_loss, predictor, both or none")
+        _check(self.causal in ("aux_loss", "predictor", "both", "threshold", "none"), "model.mod.causal", self.causal,
+               "aux_loss, predictor, both, threshold or none")
+        _check(0.0 <= self.threshold_momentum < 1.0, "model.mod.threshold_momentum", self.threshold_momentum,
+               "in [0, 1)")
         _check(self.aux_loss_weight >= 0, "model.mod.aux_loss_weight", self.aux_loss_weight, ">= 0")
         _check(self.predictor_loss_weight >= 0, "model.mod.predictor_loss_weight", self.predictor_loss_weight, ">= 0")
         _check(self.predictor_hidden >= 0, "model.mod.predictor_hidden", self.predictor_hidden, ">= 0")
@@ -123,7 +127,9 @@ class MoEConfig:
     capacity_factor: Optional[float] = 1.0
     """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens; null = dropless."""
     eval_capacity_factor: Optional[float] = None
-    """Capacity factor in eval mode; null = same as capacity_factor."""
+    """Capacity factor in eval mode under training-time routing (eval/loss); null = same as capacity_factor."""
+    inference_capacity_factor: Optional[float] = None
+    """Capacity factor at sampling time (generation and eval/loss_causal); null = dropless, so a token's experts depend only on the token. A value makes a prompt's output depend on the other prompts of its batch (capacity is shared by the tokens of one call)."""
     min_capacity: int = 0
     """Lower bound on the per-expert capacity (DeepSpeed's min_capacity)."""
     drop_policy: str = "position"
@@ -153,7 +159,7 @@ class MoEConfig:
         _check(1 <= self.top_k <= self.num_experts + self.num_noop_experts, k + "top_k", self.top_k,
                f"1 <= top_k <= num_experts + num_noop_experts = {self.num_experts + self.num_noop_experts}")
         _check(self.d_expert >= 0, k + "d_expert", self.d_expert, ">= 0")
-        for name in ("capacity_factor", "eval_capacity_factor"):
+        for name in ("capacity_factor", "eval_capacity_factor", "inference_capacity_factor"):
             v = getattr(self, name)
             _check(v is None or v > 0, k + name, v, "null (dropless) or > 0")
         _check(self.min_capacity >= 0, k + "min_capacity", self.min_capacity, ">= 0")

@@ -1,12 +1,23 @@
-"""Autoregressive sampling with a KV cache and causal depth routing, batched over ragged prompts.
+"""Autoregressive sampling with a KV cache and causal routing, batched over ragged prompts.
 
-Shape legend: B prompts (batch rows), T decoding steps, V vocabulary, P longest prompt.
+Shape legend: B prompts (batch rows), P longest prompt, T positions, V vocabulary.
 
-All rows advance in lockstep, one position per step: at step t row i feeds its prompt token t
-while t < len_i, else the token it sampled at step t - 1. Every row sits at the same position t,
-so no padding or position offsets are needed; a row whose prompt is still running ignores its
-sample. Routed layers decide each token causally (predictor, or sigmoid(r) > 0.5) and append it
-to their own cache only when they process it, so cache lengths differ per row and layer.
+Sampling-time semantics (DESIGN.md 3.4): every routing decision for a token depends only on it
+and the earlier tokens of its own row. Depth routing decides per token (predictor, router sign or
+calibrated threshold); MoE layers are dropless (model.moe.inference_capacity_factor null). So a
+prompt's output does not depend on the other prompts of its batch, and the logits equal a full
+`model(tokens, routing="causal")` recompute.
+
+Prefill: the right-padded prompts go through the model in one forward (padding masked); each
+layer's cache receives the tokens that layer processed. Then every row decodes one token per step
+at its own position (rows of different prompt lengths advance together). A routed layer runs its
+block only on the rows whose token it selected. `prefill=False` feeds prompts one token per step
+instead (the reference path: rows in lockstep, position t at step t).
+
+Python API:
+    from mode.generate import load_run, generate
+    model, tokenizer, cfg = load_run("runs/tiny/mod")      # newest complete checkpoint, eval mode
+    texts = generate(model, tokenizer, ["def main("], max_new_tokens=64, temperature=0)  # greedy
 """
 from __future__ import annotations
 
@@ -23,61 +34,106 @@ from mode.model import LM, build_model
 @dataclass
 class Trace:
     tokens_BT: torch.Tensor
-    """[B, T + 1] every row's fed tokens (prompt, then samples) plus the last sample."""
+    """[B, T + 1] every row's tokens by position (prompt, then samples), zero-padded."""
     logits_BTV: torch.Tensor
-    """[B, T, V] the logits each step produced (fp32)."""
+    """[B, T, V] the logits each position produced (fp32); NaN where valid_BT is False."""
+    valid_BT: torch.Tensor
+    """[B, T] positions the row computed: its prompt and its new tokens but the last."""
 
 
-def _sample(logits_BV, temperature: float, top_k: int, gen: torch.Generator) -> torch.Tensor:
+def _sample(logits_BV, temperature: float, top_k: int, gen: torch.Generator, top_p: float = 1.0) -> torch.Tensor:
+    """temperature <= 0: greedy (argmax). Else softmax(logits / temperature) restricted to the
+    top_k most likely ids (0 = all) and to the smallest set whose mass reaches top_p (1 = all)."""
     if temperature <= 0:
         return logits_BV.argmax(-1)
     logits_BV = logits_BV / temperature
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
+        p_BV = sorted_BV.softmax(-1)
+        drop_BV = p_BV.cumsum(-1) - p_BV >= top_p  # mass before this id already reaches top_p
+        logits_BV = logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
     return torch.multinomial(logits_BV.softmax(-1), 1, generator=gen)[:, 0]
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int) -> int:
+    """Positions the model computes for a prompt and its new tokens (the last sample is not fed)."""
+    return prompt_len + max_new_tokens - 1
 
 
 @torch.no_grad()
 def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, eos_id: int | None = None, vocab_limit: int | None = None,
-                 return_trace: bool = False):
+                 return_trace: bool = False, top_p: float = 1.0, prefill: bool = True):
     """Sample `max_new_tokens` after each prompt (stopping a row at `eos_id`, not included).
-    temperature <= 0 is greedy; top_k 0 keeps the whole vocabulary; `vocab_limit` masks logits of
-    ids the tokenizer cannot decode. Returns the new ids per row (and a Trace if asked)."""
+    temperature <= 0 is greedy; top_k 0 and top_p 1.0 keep the whole vocabulary; `vocab_limit`
+    masks logits of ids the tokenizer cannot decode. Returns the new ids per row (and a Trace)."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
     dev = next(model.parameters()).device
     B, n = len(prompt_ids), max_new_tokens
-    len_B = torch.tensor([len(p) for p in prompt_ids], device=dev)
-    P = int(len_B.max())
     if n <= 0:
         return ([[] for _ in prompt_ids], None) if return_trace else [[] for _ in prompt_ids]
-    T = max(len(p) + n for p in prompt_ids) - 1  # steps: the last sample is never fed back
+    lens = [len(p) for p in prompt_ids]
+    P = max(lens)
+    T = max(positions_needed(m, n) for m in lens)
     if T > model.cfg.max_seq_len:
         raise ValueError(f"prompt + max_new_tokens needs {T} positions > model.max_seq_len={model.cfg.max_seq_len}")
-    prompt_BP = torch.zeros(B, P, dtype=torch.long, device=dev)
+    len_B = torch.tensor(lens, device=dev)
+    tokens_BT = torch.zeros(B, T + 1, dtype=torch.long, device=dev)
     for i, p in enumerate(prompt_ids):
-        prompt_BP[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens_BT[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    rows_B = torch.arange(B, device=dev)
+    logits_BTV = None
     was_training = model.training
     model.eval()
     gen = torch.Generator(device=dev).manual_seed(seed)
-    caches = model.new_caches(B, T)
-    tokens_BT = torch.zeros(B, T + 1, dtype=torch.long, device=dev)
-    tokens_BT[:, 0] = prompt_BP[:, 0]
-    logits = []
-    for t in range(T):
-        pos_B1 = torch.full((B, 1), t, dtype=torch.long, device=dev)
-        out = model(tokens_BT[:, t : t + 1], routing="causal", pos_BS=pos_B1, caches=caches)
-        logits_BV = out.logits[:, 0].float()
-        if return_trace:
-            logits.append(logits_BV)
+
+    def pick(logits_BV):
+        nonlocal logits_BTV
+        logits_BV = logits_BV.float()
         if vocab_limit is not None:
             logits_BV = logits_BV[:, :vocab_limit]
-        next_B = _sample(logits_BV, temperature, top_k, gen)
-        in_prompt_B = t + 1 < len_B
-        tokens_BT[:, t + 1] = torch.where(in_prompt_B, prompt_BP[:, min(t + 1, P - 1)], next_B)
-    model.train(was_training)
+        return _sample(logits_BV, temperature, top_k, gen, top_p)
+
+    def record(pos_BS, logits_BSV):
+        nonlocal logits_BTV
+        if return_trace:
+            if logits_BTV is None:
+                logits_BTV = torch.full((B, T, logits_BSV.shape[-1]), float("nan"), device=dev)
+            logits_BTV[rows_B[:, None], pos_BS] = logits_BSV.float()
+
+    done_B = torch.zeros(B, dtype=torch.bool, device=dev)
+    try:
+        if prefill:
+            caches = model.new_caches(B, P + n - 1)
+            valid_BP = None if min(lens) == P else torch.arange(P, device=dev)[None] < len_B[:, None]
+            out = model(tokens_BT[:, :P], routing="causal", caches=caches, valid_BS=valid_BP)
+            record(torch.arange(P, device=dev).expand(B, P), out.logits)
+            last_B = len_B - 1
+            next_B = pick(out.logits[rows_B, last_B])
+            for j in range(n):
+                pos_B = len_B + j  # where the sample goes; decoded as the next step's input
+                tokens_BT[rows_B, pos_B] = next_B
+                if eos_id is not None:
+                    done_B |= next_B == eos_id
+                if j == n - 1 or bool(done_B.all()):
+                    break
+                out = model(next_B[:, None], routing="causal", pos_BS=pos_B[:, None], caches=caches)
+                record(pos_B[:, None], out.logits)
+                next_B = pick(out.logits[:, 0])
+        else:  # step by step: rows in lockstep, row i feeds its prompt token t while t < len_i
+            caches = model.new_caches(B, T)
+            for t in range(T):
+                pos_B1 = torch.full((B, 1), t, dtype=torch.long, device=dev)
+                out = model(tokens_BT[:, t : t + 1], routing="causal", pos_BS=pos_B1, caches=caches)
+                record(pos_B1, out.logits)
+                next_B = pick(out.logits[:, 0])
+                tokens_BT[:, t + 1] = torch.where(t + 1 < len_B, tokens_BT[:, t + 1], next_B)
+    finally:
+        model.train(was_training)
     out_ids = []
     for i, p in enumerate(prompt_ids):
         new = tokens_BT[i, len(p) : len(p) + n].tolist()
@@ -85,20 +141,52 @@ def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, te
             new = new[: new.index(eos_id)]
         out_ids.append(new)
     if return_trace:
-        return out_ids, Trace(tokens_BT, torch.stack(logits, 1))
+        valid_BT = torch.arange(T, device=dev)[None] < (len_B + n - 1)[:, None]
+        if logits_BTV is not None:
+            logits_BTV[~valid_BT] = float("nan")  # prefill padding, steps after a row's last token
+        return out_ids, Trace(tokens_BT, logits_BTV, valid_BT)
     return out_ids
 
 
-def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0) -> list[str]:
-    """Text in, text out. Each prompt is preceded by the tokenizer's EOS: training packs
+@dataclass
+class Completion:
+    prompt: str
+    completion: str
+    """The sampled text, cut before the first stop string (or the EOS)."""
+    num_tokens: int
+    """New tokens the completion took (through the one that completed a stop string)."""
+
+
+def _cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[str, int]:
+    """(text before the first stop string, tokens up to the one that completed it)."""
+    text = tokenizer.decode(ids)
+    if not stop or not any(s in text for s in stop):
+        return text, len(ids)
+    for n in range(1, len(ids) + 1):  # the shortest prefix holding a stop string
+        t = tokenizer.decode(ids[:n])
+        hits = [t.index(s) for s in stop if s in t]
+        if hits:
+            return t[: min(hits)], n
+    return text, len(ids)
+
+
+def complete(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, top_p: float = 1.0, stop: list[str] | None = None) -> list[Completion]:
+    """Text in, Completions out. Each prompt is preceded by the tokenizer's EOS: training packs
     documents with EOS between them, so it marks 'a document starts here' (and lets an empty
-    prompt sample from scratch)."""
+    prompt sample from scratch). A row stops at the EOS; `stop` strings cut the completion."""
     eos = tokenizer.eos_id
     ids = [[eos] + [int(i) for i in tokenizer.encode(p)] for p in prompts]
     out = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed, eos_id=eos,
-                       vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size))
-    return [tokenizer.decode(o) for o in out]
+                       vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size), top_p=top_p)
+    return [Completion(p, *_cut_at_stop(tokenizer, o, list(stop or []))) for p, o in zip(prompts, out)]
+
+
+def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, top_p: float = 1.0, stop: list[str] | None = None) -> list[str]:
+    """The completions of `complete` as strings (temperature 0 = greedy)."""
+    return [c.completion for c in complete(model, tokenizer, prompts, max_new_tokens, temperature, top_k, seed,
+                                           top_p, stop)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,17 +252,25 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
 
 
 def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-                 seed: int = 0) -> list[str]:
-    """What `mode generate --run RUN_DIR --prompt TEXT` does: the prompt followed by its sample."""
+                 seed: int = 0, top_k: int = 0, top_p: float = 1.0, stop: list[str] | None = None,
+                 completions: bool = False):
+    """What `mode generate --run RUN_DIR --prompt TEXT` does: the prompt followed by its sample
+    (or, with `completions`, the Completion objects). A prompt longer than the model allows is a
+    ConfigError that names the limit."""
     from mode.config import ConfigError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if max_new_tokens < 0:
         raise ConfigError("--max-new-tokens", max_new_tokens, ">= 0")
     model, tok, _ = load_run(run_dir, device)
-    longest = max(len(tok.encode(p)) for p in prompts) + 1  # + the EOS that starts each prompt
-    if longest + max_new_tokens - 1 > model.cfg.max_seq_len:
-        raise ConfigError("--max-new-tokens", max_new_tokens, f"<= {model.cfg.max_seq_len - longest + 1} "
-                          f"(model.max_seq_len={model.cfg.max_seq_len} minus the longest prompt, {longest} tokens)")
-    return [p + s for p, s in zip(prompts, generate(model, tok, prompts, max_new_tokens, temperature, seed=seed))]
-
+    limit = model.cfg.max_seq_len
+    for i, p in enumerate(prompts):
+        n_tok = 1 + len(tok.encode(p))  # the EOS that starts a document, then the prompt
+        if positions_needed(n_tok, max_new_tokens) > limit:
+            raise ConfigError("--prompt", p if len(p) <= 40 else p[:37] + "...", msg=None,
+                              allowed=f"prompt {i} has {n_tok} tokens (with the leading EOS); with --max-new-tokens "
+                                      f"{max_new_tokens} that needs {positions_needed(n_tok, max_new_tokens)} positions "
+                                      f"> the model's max_seq_len={limit} (at most {limit + 1 - max_new_tokens} "
+                                      f"prompt tokens)")
+    out = complete(model, tok, prompts, max_new_tokens, temperature, top_k, seed, top_p, stop)
+    return out if completions else [c.prompt + c.completion for c in out]

@@ -11,11 +11,15 @@ The wrapped unit sees the gathered tokens with their ORIGINAL positions (rotary)
 attention among them; with `kv: all` its attention instead takes keys/values from EVERY token
 (the selected tokens still compute the queries and take the update). Routing modes:
   topk    - k = max(1, round(capacity * S)) per row (training, the paper's eval);
-  causal  - each token decides alone from the predictor (or sigmoid(r) > 0.5): sampling-safe;
+  causal  - each token decides alone from the predictor, the calibrated threshold (r > tau) or
+            sigmoid(r) > 0.5: sampling-safe;
             rows then hold different counts, padded to the row maximum with a key mask.
-With a KV cache (one decoding step) routing is always causal; only rows whose token is
-selected append to this layer's cache (every row with `kv: all`), so its per-row length counts
-the tokens that give this layer keys and values.
+Generation (a KV cache in the Ctx; routing is causal): the prefill gathers each row's selected
+prompt tokens as above and the unit writes them to this layer's cache; a decoding step (one token
+per row) gathers the rows whose token is selected and runs the unit on those rows only, so a
+skipped token reads none of the unit's weights (at batch 1 a skipped layer costs its router and
+predictor). The cache's per-row length counts the tokens that give this layer keys and values:
+the selected ones, or every token with `kv: all` (whose K/V projection then runs for every row).
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ class MoDBlock(nn.Module):
     def forward(self, x_BSD: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         B, S, D = x_BSD.shape
         r_BS = self.router.scores(x_BSD)
-        if ctx.cache is not None:
+        if ctx.cache is not None and S == 1:
             return self._decode_step(x_BSD, r_BS, ctx)
         if ctx.routing == "topk":
             # Learned: top-k of r. Stochastic (the paper's control): a random k; g(r) still
@@ -67,6 +71,8 @@ class MoDBlock(nn.Module):
             idx_BK = topk_sorted(sel_scores_BS.detach(), k)
             valid_BK = None
             member_BS = torch.zeros_like(r_BS).scatter_(1, idx_BK, 1.0)
+            if self.training and self.router.has_threshold:
+                self.router.update_threshold(r_BS, k)
             self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)
             self.metrics["processed_frac"] = member_BS.mean()
             sel_BS = member_BS.bool()
@@ -78,9 +84,10 @@ class MoDBlock(nn.Module):
             K = int(count_B.max())  # host sync: the ragged width is data-dependent
             self.aux_loss = None
             self.metrics = {"causal_processed_frac": sel_BS.float().mean()}
-            if K == 0:
+            if K == 0 and not (self.kv_all and ctx.cache is not None):  # (a K/V-from-all prefill still writes K/V)
                 self.last_selected_BS = self.last_engaged_BS = sel_BS
                 return torch.zeros_like(x_BSD)
+            K = max(K, 1)
             # Selected positions first, in position order (stable sort); the tail is padding.
             idx_BK = torch.sort((~sel_BS).to(torch.uint8), dim=1, stable=True).indices[:, :K]
             valid_BK = torch.arange(K, device=x_BSD.device)[None] < count_B[:, None]
@@ -90,9 +97,9 @@ class MoDBlock(nn.Module):
         flat_N = _flat(idx_BK, S)
         x_ND = x_BSD.reshape(B * S, D)
         xg_BKD = x_ND.index_select(0, flat_N).view(B, -1, D)
-        inner_ctx = Ctx(ctx.pos_BS.gather(1, idx_BK), valid_BK, None, ctx.routing)
+        inner_ctx = Ctx(ctx.pos_BS.gather(1, idx_BK), valid_BK, ctx.cache, ctx.routing)
         if self.kv_all:
-            inner_ctx.kv_x_BSD, inner_ctx.kv_pos_BS = x_BSD, ctx.pos_BS
+            inner_ctx.kv_x_BSD, inner_ctx.kv_pos_BS, inner_ctx.kv_valid_BS = x_BSD, ctx.pos_BS, ctx.valid_BS
         delta_BKD = self.inner(xg_BKD, inner_ctx)
         upd_BKD = (self.gate(r_BS.gather(1, idx_BK))[..., None] * delta_BKD).to(x_BSD.dtype)
         if valid_BK is not None:
@@ -109,19 +116,37 @@ class MoDBlock(nn.Module):
         return out_BSD
 
     def _decode_step(self, x_B1D, r_B1, ctx: Ctx):
-        """One token per row: every row runs the unit (a static shape), only rows whose token is
-        selected take the update and (unless K/V-from-all) append to the cache."""
-        sel_B1 = self.router.causal_logits(x_B1D, r_B1) > 0
-        ctx.cache.write_B = None if self.kv_all else sel_B1[:, 0]
-        try:
-            delta_B1D = self.inner(x_B1D, ctx)
-        finally:
-            ctx.cache.write_B = None
-        upd_B1D = (self.gate(r_B1)[..., None] * delta_B1D).to(x_B1D.dtype)
+        """One token per row: run the unit on the rows whose token is selected (gather, run,
+        scatter back). With `kv: all` every row's token still gives the unit's attention K/V."""
+        B = x_B1D.shape[0]
+        sel_B = (self.router.causal_logits(x_B1D, r_B1) > 0)[:, 0]
+        if ctx.valid_BS is not None:
+            sel_B = sel_B & ctx.valid_BS[:, 0]
         self.aux_loss, self.metrics = None, {}
-        self.last_selected_BS = sel_B1
-        self.last_engaged_BS = both_engaged(sel_B1, self.inner.last_engaged_BS)
-        return torch.where(sel_B1[..., None], upd_B1D, 0.0)
+        self.last_selected_BS = sel_B[:, None]
+        rows_N = sel_B.nonzero()[:, 0]  # host sync: the work depends on how many rows it selected
+        N = rows_N.numel()
+        if N == 0 and not self.kv_all:
+            self.last_engaged_BS = self.last_selected_BS
+            return torch.zeros_like(x_B1D)
+        every = N == B
+        inner_ctx = ctx.with_(pos_BS=ctx.pos_BS if every else ctx.pos_BS.index_select(0, rows_N), valid_BS=None)
+        if self.kv_all:
+            inner_ctx.kv_x_BSD, inner_ctx.kv_pos_BS = x_B1D, ctx.pos_BS
+        ctx.cache.rows_N = None if every else rows_N
+        try:
+            delta_N1D = self.inner(x_B1D if every else x_B1D.index_select(0, rows_N), inner_ctx)
+        finally:
+            ctx.cache.rows_N = None
+        r_N1 = r_B1 if every else r_B1.index_select(0, rows_N)
+        upd_N1D = (self.gate(r_N1)[..., None] * delta_N1D).to(x_B1D.dtype)
+        on_N1 = self.inner.last_engaged_BS
+        if every:
+            self.last_engaged_BS = both_engaged(self.last_selected_BS, on_N1)
+            return upd_N1D
+        on_N = torch.ones(N, dtype=torch.bool, device=x_B1D.device) if on_N1 is None else on_N1[:, 0]
+        self.last_engaged_BS = torch.zeros_like(sel_B).index_copy(0, rows_N, on_N)[:, None]
+        return torch.zeros_like(x_B1D).index_copy(0, rows_N, upd_N1D)
 
     @staticmethod
     def cost(cfg: ModConfig, d_model: int, capacity: float, seq_len: int, inner: Cost) -> Cost:

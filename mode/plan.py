@@ -95,3 +95,9 @@ def has_depth_routing(plan: List[LayerPlan]) -> bool:
 
 def has_moe(plan: List[LayerPlan]) -> bool:
     return any(p.mlp == "moe" for p in plan)
+
+
+def routes_at_sampling(plan: List[LayerPlan]) -> bool:
+    """Whether sampling-time routing (causal depth decisions, dropless experts) can differ from
+    training-time routing: then the trainer evaluates both (eval/loss and eval/loss_causal)."""
+    return has_depth_routing(plan) or has_moe(plan)

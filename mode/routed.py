@@ -41,14 +41,18 @@ class Ctx:
     valid_BS: Optional[Any] = None
     """False marks padding (ragged causal routing); None = all valid."""
     cache: Optional[Any] = None
-    """KVCache of this layer during cached decoding (one token per row), else None."""
+    """KVCache of this layer during generation (a prefill into the empty cache, then one token per
+    row per step), else None."""
     routing: str = "topk"
-    """`topk` (training, the paper's eval) or `causal` (per-token decisions: sampling-safe)."""
+    """`topk` (training, the paper's eval) or `causal` (every decision for a token depends only on
+    it and earlier tokens of its row: generation and eval/loss_causal; MoE layers are dropless)."""
     kv_x_BSD: Optional[Any] = None
     """K/V-from-all attention: the layer input of EVERY token (keys and values come from it,
     queries from the unit's own tokens); None = keys and values from the unit's tokens."""
     kv_pos_BS: Optional[Any] = None
     """Positions of kv_x_BSD."""
+    kv_valid_BS: Optional[Any] = None
+    """False marks padding among kv_x_BSD (a ragged prefill); None = all valid."""
 
     def with_(self, **kw) -> "Ctx":
         return replace(self, **kw)

@@ -26,7 +26,7 @@ from mode.flops import count as count_flops
 from mode.loggers import Loggers
 from mode.metrics import TRAIN_FLOPS_PER_FORWARD_FLOP, Accumulator, default_peak_tflops, efficiency, memory_gb
 from mode.model import build_model
-from mode.plan import has_depth_routing, has_moe, layer_plan
+from mode.plan import has_moe, layer_plan, routes_at_sampling
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
@@ -280,7 +280,7 @@ class Trainer:
         model = self.engine.module
         model.eval()
         acc = Accumulator()
-        routings = ("topk", "causal") if has_depth_routing(model.plan) else ("topk",)
+        routings = ("topk", "causal") if routes_at_sampling(model.plan) else ("topk",)
         token_bytes_V = self.data.token_bytes_V.to(self.dev)
         nats_bytes = torch.zeros(2, dtype=torch.float64, device=self.dev)  # summed over batches and ranks
         for x, y in self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch_size):

@@ -27,7 +27,7 @@ class AttnSublayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         kv_x = None if ctx.kv_x_BSD is None else self.norm(ctx.kv_x_BSD)
-        return self.attn(self.norm(x_BSD), ctx.pos_BS, ctx.valid_BS, ctx.cache, kv_x, ctx.kv_pos_BS)
+        return self.attn(self.norm(x_BSD), ctx.pos_BS, ctx.valid_BS, ctx.cache, kv_x, ctx.kv_pos_BS, ctx.kv_valid_BS)
 
     @staticmethod
     def cost(cfg: ModelConfig, s: int, s_kv: int | None = None) -> Cost:
@@ -35,7 +35,8 @@ class AttnSublayer(nn.Module):
 
 
 class MLPSublayer(nn.Module):
-    """Pre-norm + an MLP: a dense `MLP` or an MoE backend (`mode/moe`), called as mlp(h, valid)."""
+    """Pre-norm + an MLP: a dense `MLP` or an MoE backend (`mode/moe`), called as mlp(h, valid, routing)
+    (an MoE is dropless at sampling time: routing `causal`)."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()
@@ -44,7 +45,7 @@ class MLPSublayer(nn.Module):
         self.last_engaged_BS = None
 
     def forward(self, x_BSD: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        y_BSD = self.mlp(self.norm(x_BSD), ctx.valid_BS)
+        y_BSD = self.mlp(self.norm(x_BSD), ctx.valid_BS, ctx.routing)
         self.last_engaged_BS = getattr(self.mlp, "last_engaged_BS", None)  # MoE: tokens with a kept route
         return y_BSD
 
@@ -61,7 +62,7 @@ class Block(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         a_BSD = self.attn(x_BSD, ctx)
-        m_BSD = self.mlp(x_BSD + a_BSD, ctx.with_(kv_x_BSD=None, kv_pos_BS=None))
+        m_BSD = self.mlp(x_BSD + a_BSD, ctx.with_(kv_x_BSD=None, kv_pos_BS=None, kv_valid_BS=None))
         self.last_engaged_BS = both_engaged(self.attn.last_engaged_BS, self.mlp.last_engaged_BS)
         return a_BSD + m_BSD
 

@@ -57,34 +57,45 @@ class Rotary(nn.Module):
 class KVCache:
     """Per-layer key/value cache with a length per batch row.
 
-    A routed layer appends only the tokens it processed, so rows fill at different rates;
-    `write_B` (set by the routing wrapper before the call) says which rows append this step.
+    A routed layer writes only the tokens it processed, so rows fill at different rates. Writes
+    append after each row's current length: a prefill writes a whole (right-padded) prompt, a
+    decoding step one token. `rows_N` (set by a routing wrapper for one call) names the batch rows
+    whose queries this call carries (decode that skips runs a block on the selected rows only).
     """
 
     def __init__(self, batch: int, n_heads: int, max_len: int, head_dim: int, dtype, device):
         self.k_BHLE = torch.zeros(batch, n_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v_BHLE = torch.zeros_like(self.k_BHLE)
         self.len_B = torch.zeros(batch, dtype=torch.long, device=device)
-        self.write_B: torch.Tensor | None = None
-        # Host-side step count bounds every row's length (len_B <= steps): the overflow check
-        # needs no device sync per layer and step.
+        self.rows_N: torch.Tensor | None = None
+        # Host-side count of written slots bounds every row's length (len_B <= steps): the
+        # overflow check and the read window need no device sync.
         self.steps = 0
 
-    def append(self, k_BH1E: torch.Tensor, v_BH1E: torch.Tensor) -> torch.Tensor:
-        """Write one step's keys/values for rows in write_B; return the key mask [B, L]."""
-        B, L = self.k_BHLE.shape[0], self.k_BHLE.shape[2]
-        if self.steps >= L:
+    def write(self, k_NHTE: torch.Tensor, v_NHTE: torch.Tensor, rows_N: torch.Tensor | None = None,
+              valid_NT: torch.Tensor | None = None) -> None:
+        """Append T tokens per row after its current length, for rows `rows_N` (None = all).
+        valid_NT False marks trailing padding: written, not counted (the next write overwrites it)."""
+        T, L = k_NHTE.shape[2], self.k_BHLE.shape[2]
+        if self.steps + T > L:
             raise RuntimeError(f"KV cache full: max_len={L}")
-        self.steps += 1
-        rows_B, slot_B = torch.arange(B, device=self.len_B.device), self.len_B
-        # Every row writes its next free slot, but only rows in write_B claim it: for the others
-        # it stays beyond len_B (masked) and the next write overwrites it.
-        self.k_BHLE[rows_B, :, slot_B] = k_BH1E[:, :, 0]
-        self.v_BHLE[rows_B, :, slot_B] = v_BH1E[:, :, 0]
-        self.len_B = self.len_B + (1 if self.write_B is None else self.write_B.long())
-        # Rows that did not write still need one visible key so softmax stays finite; their
-        # output is discarded by the routing wrapper.
-        return torch.arange(L, device=slot_B.device)[None] < self.len_B.clamp(min=1)[:, None]
+        self.steps += T
+        rows = torch.arange(self.len_B.shape[0], device=self.len_B.device) if rows_N is None else rows_N
+        slot_NT = self.len_B[rows][:, None] + torch.arange(T, device=rows.device)
+        self.k_BHLE[rows[:, None], :, slot_NT] = k_NHTE.transpose(1, 2)
+        self.v_BHLE[rows[:, None], :, slot_NT] = v_NHTE.transpose(1, 2)
+        n_N = T if valid_NT is None else valid_NT.sum(1)
+        self.len_B = self.len_B.index_add(0, rows, torch.as_tensor(n_N, device=rows.device).expand(rows.shape[0]))
+
+    def read(self, rows_N: torch.Tensor | None = None):
+        """Keys, values [N, H, W, E] of rows `rows_N` (None = all) over the written window W, and
+        the key mask [N, W]. A row with no key yet still sees slot 0 so softmax stays finite (its
+        output is padding the routing wrapper discards)."""
+        W = max(self.steps, 1)
+        k, v, n = self.k_BHLE[:, :, :W], self.v_BHLE[:, :, :W], self.len_B
+        if rows_N is not None:
+            k, v, n = k.index_select(0, rows_N), v.index_select(0, rows_N), n.index_select(0, rows_N)
+        return k, v, torch.arange(W, device=n.device)[None] < n.clamp(min=1)[:, None]
 
 
 class Attention(nn.Module):
@@ -95,26 +106,36 @@ class Attention(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.rotary = Rotary(self.head_dim, max_seq_len, rope_theta)
 
-    def forward(self, x_BSD, pos_BS, valid_BS=None, cache: KVCache | None = None, kv_x_BTD=None, kv_pos_BT=None):
+    def forward(self, x_BSD, pos_BS, valid_BS=None, cache: KVCache | None = None, kv_x_BTD=None, kv_pos_BT=None,
+                kv_valid_BT=None):
         """Queries from x_BSD. Keys/values from the same tokens, or (K/V-from-all) from kv_x_BTD at
-        positions kv_pos_BT (T tokens): each query then sees every key at or before its position."""
+        positions kv_pos_BT (T tokens, kv_valid_BT False = padding): each query then sees every key
+        at or before its position. With a cache the keys/values are appended to it (for the rows
+        `cache.rows_N`, or every row with K/V-from-all); one token per row attends over the cache,
+        a prefill (several tokens into an empty cache) attends as without one."""
         B, S, D = x_BSD.shape
         H, E = self.n_heads, self.head_dim
         if kv_x_BTD is None:
             q, k, v = self.qkv(x_BSD).view(B, S, 3, H, E).permute(2, 0, 3, 1, 4)
-            kv_pos_BT = pos_BS
+            kv_pos_BT, kv_valid_BT = pos_BS, valid_BS
         else:
             # Selective query projection: only this unit's tokens pay for Q (and the output).
             w_q, w_kv = self.qkv.weight.split([D, 2 * D])
             q = F.linear(x_BSD, w_q).view(B, S, H, E).transpose(1, 2)
             T = kv_x_BTD.shape[1]
-            k, v = F.linear(kv_x_BTD, w_kv).view(B, T, 2, H, E).permute(2, 0, 3, 1, 4)
+            k, v = F.linear(kv_x_BTD, w_kv).view(kv_x_BTD.shape[0], T, 2, H, E).permute(2, 0, 3, 1, 4)
         q, k = self.rotary(q, pos_BS), self.rotary(k, kv_pos_BT)  # B H S E
         if cache is not None:
-            assert S == 1, "cached decoding feeds one token per step"
-            keymask_BL = cache.append(k, v)
-            y = F.scaled_dot_product_attention(q, cache.k_BHLE, cache.v_BHLE, attn_mask=keymask_BL[:, None, None])
-        elif kv_x_BTD is not None:
+            rows_N = cache.rows_N
+            prefill = S > 1 or k.shape[2] > 1  # several queries or keys per row: a prompt's tokens
+            assert not prefill or cache.steps == 0, "a prefill fills an empty cache; then one token per step"
+            assert not (prefill and rows_N is not None), "a prefill carries every row"
+            cache.write(k, v, None if kv_x_BTD is not None else rows_N, kv_valid_BT)
+            if not prefill:
+                k_c, v_c, keymask_NW = cache.read(rows_N)
+                y = F.scaled_dot_product_attention(q, k_c, v_c, attn_mask=keymask_NW[:, None, None])
+                return self.out(y.transpose(1, 2).reshape(B, S, D))
+        if kv_x_BTD is not None:
             # Causal by position; key 0 precedes every query, so no row is all-masked (queries that
             # are padding are discarded by the routing wrapper).
             mask_BST = kv_pos_BT[:, None, :] <= pos_BS[:, :, None]
@@ -145,7 +166,7 @@ class MLP(nn.Module):
         self.w_in = nn.Linear(d_model, (2 if kind == "swiglu" else 1) * d_ff, bias=False)
         self.w_out = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS=None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, valid_BS=None, routing: str = "topk") -> torch.Tensor:
         h = self.w_in(x_BSD)
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)

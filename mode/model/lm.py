@@ -78,13 +78,17 @@ class LM(nn.Module):
         self._register_load_state_dict_pre_hook(_upgrade_old_block_keys)
 
     def forward(self, input_ids_BS, targets_BS=None, routing: str = "topk", pos_BS=None,
-                caches: list[KVCache] | None = None) -> LMOutput:
+                caches: list[KVCache] | None = None, valid_BS=None) -> LMOutput:
+        """`routing` topk (training) or causal (sampling-time semantics, DESIGN.md 3.4). With
+        `caches` (generation, routing causal): several tokens per row are a prefill into empty
+        caches (right-padded prompts: `valid_BS` False marks the padding), one token per row a
+        decoding step at positions `pos_BS`."""
         B, S = input_ids_BS.shape
         if pos_BS is None:
             pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         x_BSD = self.embed(input_ids_BS)
         for i, block in enumerate(self.blocks):
-            ctx = Ctx(pos_BS, None, caches[i] if caches is not None else None, routing)
+            ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
                 delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False)

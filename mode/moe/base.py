@@ -29,8 +29,9 @@ class MoEBase(nn.Module):
         self.last_engaged_BS: torch.Tensor | None = None
         self.last_routing: Routing | None = None
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None, routing: str = "topk") -> torch.Tensor:
         B, S, D = x_BSD.shape
+        self.router.sampling = routing == "causal"  # sampling time: inference_capacity_factor (dropless)
         x_TD = x_BSD.reshape(-1, D)
         r = self.router(x_TD, None if valid_BS is None else valid_BS.reshape(-1))
         y_TD = self.compute(x_TD, r)

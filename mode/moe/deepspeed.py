@@ -122,9 +122,11 @@ class DeepSpeedMoE(MoEBase):
                                    "engine, or call deepspeed.init_distributed() before the first forward")
             self.moe.set_deepspeed_parallelism()
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None, routing: str = "topk") -> torch.Tensor:
         B, S, D = x_BSD.shape
         self._ensure_groups()
+        if not self.stock_gate:  # sampling time: inference_capacity_factor (dropless by default)
+            self.moe.deepspeed_moe.gate.router.sampling = routing == "causal"
         used = None if valid_BS is None else valid_BS.reshape(-1).to(x_BSD.dtype)
         y_BSD, l_aux, counts_E = self.moe(x_BSD, used)
         r = None

@@ -3,9 +3,10 @@
 Shape legend: B batch, S sequence, K selected tokens per row, D d_model.
 
 The router is a scalar `r = w^T x` per token, computed in fp32. Top-k over the sequence is
-non-causal, so two causal stand-ins are trained against top-k membership: the router logits
-themselves (aux BCE, `sigmoid(r) > 0.5` decides) and a small MLP predictor that sees the
-router's input through a stop-gradient (its loss reaches no LM parameter).
+non-causal, so causal stand-ins decide at sampling time: the router logits themselves trained
+against top-k membership (aux BCE, `sigmoid(r) > 0.5` decides), a small MLP predictor that sees
+the router's input through a stop-gradient (its loss reaches no LM parameter), or a calibrated
+threshold (`r > tau`, tau an EMA of the k-th largest score seen in training; nothing trained).
 """
 from __future__ import annotations
 
@@ -35,14 +36,34 @@ class DepthRouter(nn.Module):
         if cfg.causal in ("predictor", "both"):
             h = cfg.predictor_hidden or d_model // 2
             self.predictor = nn.Sequential(nn.Linear(d_model, h), nn.SiLU(), nn.Linear(h, 1))
+        self.has_threshold = cfg.causal == "threshold"
+        if self.has_threshold:  # buffers: checkpointed with the model, so a resume continues the EMA exactly
+            self.register_buffer("threshold", torch.zeros((), dtype=torch.float32))
+            self.register_buffer("threshold_updates", torch.zeros((), dtype=torch.long))
 
     def scores(self, x_BSD: torch.Tensor) -> torch.Tensor:
         # fp32 even under bf16: near-ties in r decide top-k membership and r scales the update.
         w = self.router
         return F.linear(x_BSD.float(), w.weight.float(), w.bias.float()).squeeze(-1)
 
+    @torch.no_grad()
+    def update_threshold(self, r_BS: torch.Tensor, k: int) -> None:
+        """One EMA step towards the mean (over rows and data-parallel ranks) of the k-th largest
+        score; the first step takes the value itself. No host sync."""
+        kth = r_BS.detach().topk(k, dim=1).values[:, -1].mean()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+            if world > 1:  # every rank keeps the same threshold (the checkpoint holds rank 0's)
+                torch.distributed.all_reduce(kth)
+                kth = kth / world
+        m = self.cfg.threshold_momentum
+        self.threshold.copy_(torch.where(self.threshold_updates == 0, kth, m * self.threshold + (1 - m) * kth))
+        self.threshold_updates.add_(1)
+
     def causal_logits(self, x_BSD: torch.Tensor, r_BS: torch.Tensor) -> torch.Tensor:
         """Per-token logit of 'selected' that depends on this token alone (> 0 means process it)."""
+        if self.has_threshold:
+            return r_BS - self.threshold
         if self.predictor is None:
             return r_BS  # sigmoid(r) > 0.5  <=>  r > 0
         # Stop-gradient: the predictor learns from the residual stream but never shapes it.
@@ -61,6 +82,10 @@ class DepthRouter(nn.Module):
         m = {"router_mean": r.mean(), "router_std": r.std(correction=0), "router_bce": bce_r.detach(),
              "router_causal_acc": ((r > 0) == member_BS.bool()).float().mean()}
         decide_BS = r
+        if self.has_threshold:
+            decide_BS = self.causal_logits(x_BSD, r)
+            m["threshold"] = self.threshold.clone()
+            m["threshold_acc"] = ((decide_BS > 0) == member_BS.bool()).float().mean()
         if self.predictor is not None:
             p_BS = self.causal_logits(x_BSD, r_BS)
             bce_p = F.binary_cross_entropy_with_logits(p_BS, member_BS)

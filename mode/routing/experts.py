@@ -14,6 +14,8 @@ Semantics (DESIGN.md 3.2):
 - Capacity per real expert: ceil(capacity_factor * K * T / E) floored at min_capacity, T = the
   valid tokens of this call (DeepSpeed's per-rank group); computed with DeepSpeed's exact
   float32 expression so both agree on the boundary. capacity_factor None = dropless.
+  At sampling time (`sampling`: routing causal, generation) inference_capacity_factor applies,
+  dropless by default: a shared capacity would let other tokens of the call push a route out.
 - `position` policy: routes claim slots in route order (all first choices before any second
   choice, then by token index); DeepSpeed's top-2 gate uses the same order. `probability`
   policy: each expert keeps its routes with the highest router probability (DeepSpeed's k>2).
@@ -92,9 +94,14 @@ class ExpertRouter(nn.Module):
         # One row per router output; no-op experts are just extra logits.
         self.weight = nn.Parameter(torch.empty(self.E + self.N, d_model))
         nn.init.normal_(self.weight, std=0.02)
+        # Sampling-time routing for the current call (set by the MoE layer from the routing mode):
+        # capacity from inference_capacity_factor, null = dropless.
+        self.sampling = False
 
     def capacity_factor(self) -> float | None:
         c = self.cfg
+        if self.sampling:
+            return c.inference_capacity_factor
         if not self.training and c.eval_capacity_factor is not None:
             return c.eval_capacity_factor
         return c.capacity_factor
