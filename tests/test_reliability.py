@@ -262,7 +262,9 @@ def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, ca
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "63"]) == 2
     lines = one_line(capsys.readouterr().err)
-    assert len(lines) == 1 and lines[0].startswith("config error: --max-new-tokens=63: <= 62"), lines
+    # The limit is named: 3 prompt tokens (with the leading EOS) + 63 new need 65 positions > 64.
+    assert len(lines) == 1 and lines[0].startswith("config error: --prompt='ab'"), lines
+    assert "--max-new-tokens 63" in lines[0] and "max_seq_len=64" in lines[0], lines
 
 
 def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
