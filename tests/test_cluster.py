@@ -129,8 +129,9 @@ def test_sbatch_two_cpu_ranks_train_with_checkpoints_and_events(tmp_path, cluste
     submit_dir, run = tmp_path / "submit", tmp_path / "run"
     submit_dir.mkdir()
     sbatch = ["sbatch", "--parsable", "--ntasks-per-node=2", str(ROOT / "launch" / "slurm.sbatch"), "--config",
-              str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=4", "checkpoint.every=2", f"run.dir={run}",
-              f"data.prepared_dir={tmp_path / 'prepared'}"]  # the default (data/prepared) is relative to the cwd
+              str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=4", "checkpoint.every=2",
+              f"data.prepared_dir={tmp_path / 'prepared'}",  # the default (data/prepared) is relative to the cwd
+              f"run.dir={run}"]
     job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
                          check=True).stdout.strip()
     state = wait_job(cluster, job, 600)
