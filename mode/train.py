@@ -83,17 +83,15 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
                           "resumed; pass run.fresh=true to start over or use another run.dir")
     diff = config_diff(old, cfg.to_dict())
     sched = schedule_diff(old, cfg.to_dict())
-    if cfg.train.allow_schedule_change:
-        diff = [d for d in diff if d.split(":")[0] not in sched]
-    elif sched and ckpt.latest(Path(cfg.run.dir) / "checkpoints") is not None:
+    if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
+                          f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
+    if sched and not cfg.train.allow_schedule_change and ckpt.latest(Path(cfg.run.dir) / "checkpoints") is not None:
         key, (was, now) = next(iter(sched.items()))
         raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
                           "its LR schedule depends on it (resuming would recompute the schedule at the resumed "
                           "step); use train.stop_at to time-box a run, pass train.allow_schedule_change=true to "
                           "change the schedule, or use another run.dir")
-    if diff:
-        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
-                          f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
     return old
 
 

@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent('''
     t.model.blocks[-1].register_forward_hook(
         lambda m, i, out: out * nan if m.training and current() in a.get("nan_forward", []) else None)
     # non-finite gradient only (finite loss): one weight's gradient becomes NaN
-    w = dict(t.model.named_parameters())["blocks.0.mlp.w_in.weight"]
+    w = dict(t.model.named_parameters())["blocks.0.mlp.mlp.w_in.weight"]
     w.register_hook(lambda g: g * nan if current() in a.get("nan_grad", []) else g)
 
     if a.get("slow_save_at"):  # keep the save of that step in progress (its .tmp written) until killed
@@ -202,8 +202,8 @@ def test_nonfinite_stop_policy_names_step_and_layers(tmp_path):
                                 "overrides": [*NF, "train.nonfinite=stop", f"run.dir={tmp_path / 'run'}"]})
     msg = res["error"]
     assert msg and "at step 3" in msg and "policy stop" in msg, res
-    assert "blocks.0.mlp.w_in.weight" in msg.split("weight norms")[0]  # the layer whose gradient was bad
-    assert "weight norms: embed.weight: |w|=" in msg and "blocks.1.mlp.w_out.weight: |w|=" in msg
+    assert "blocks.0.mlp.mlp.w_in.weight" in msg.split("weight norms")[0]  # the layer whose gradient was bad
+    assert "weight norms: embed.weight: |w|=" in msg and "blocks.1.mlp.mlp.w_out.weight: |w|=" in msg
     assert res["step"] == 3 and res["finite"] and res["change"]["3"] == 0.0
     assert not (tmp_path / "run" / "DONE").exists()
 
@@ -237,8 +237,9 @@ def test_incompatible_run_dir_is_refused_unless_fresh(tmp_path):
     assert "run.fresh=true" in errors[0]
     assert (d / "config.yaml").read_text() == saved  # untouched
 
-    # Keys that may change on resumption are not a different experiment.
-    mode_cli("train", "--config", CFG, *run, "train.max_steps=3", "train.log_every=1")
+    # Keys that may change on resumption are not a different experiment (a longer schedule is
+    # allowed explicitly).
+    mode_cli("train", "--config", CFG, *run, "train.max_steps=3", "train.log_every=1", "train.allow_schedule_change=true")
     assert yaml.safe_load((d / "config.yaml").read_text())["train"]["max_steps"] == 3
 
     r = mode_cli("train", "--config", CFG, *run, "model.d_model=48", "run.fresh=true")

@@ -395,7 +395,7 @@ def poisoned(acc):
     step(acc)
     if t.step == a["poison_after"]:  # the weights themselves turn NaN (not the gradient)
         with torch.no_grad():
-            t.model.blocks[0].mlp.w_in.weight.fill_(float("nan"))
+            t.model.blocks[0].mlp.mlp.w_in.weight.fill_(float("nan"))
 t.train_step = poisoned
 try:
     t.fit()
@@ -417,7 +417,7 @@ def test_a_nonfinite_state_is_never_saved_and_the_good_checkpoint_survives(tmp_p
                        capture_output=True, text=True, timeout=300)
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert res["error"] and "not saving step 4: non-finite weights" in res["error"], (res, r.stderr[-2000:])
-    assert "blocks.0.mlp.w_in.weight" in res["error"] and "step_00000002" in res["error"]
+    assert "blocks.0.mlp.mlp.w_in.weight" in res["error"] and "step_00000002" in res["error"]
     from mode import checkpoint as ckpt
 
     ck = d / "checkpoints"
