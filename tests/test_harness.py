@@ -275,4 +275,4 @@ def test_export_eval_generate_end_to_end(tmp_path):
     res = json.loads((run / "eval" / "results_stdlib_next_line_topk.json").read_text())
     assert res["mode"]["routing"] == "topk" and "stdlib_next_line" in res["results"]
     g = mode_cli("generate", "--run", tmp_path / "export", "--prompt", "def ", "--max-new-tokens", "4")
-    assert g.stdout.startswith("def ")
+    assert g.stdout.startswith("=== [0] 4 tokens ===\ndef ")  # mode generate's header, then prompt + sample
