@@ -24,6 +24,8 @@ from typing import Iterator
 import numpy as np
 import yaml
 
+from mode.config import flatten
+
 EVENT_GLOB = "events.out.tfevents.*"
 TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward)
 _SEED_SUFFIX = re.compile(r"^(?P<variant>.+?)[_-]seed(?P<seed>\d+)$")
@@ -228,19 +230,9 @@ NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.sto
                 "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def config_signature(run: Run) -> dict:
     """The run's resolved config minus seed/run/logging keys, plus its world size."""
-    sig = {k: v for k, v in _flat(run.config).items() if not k.startswith(NOT_COMPARED)}
+    sig = {k: v for k, v in flatten(run.config).items() if not k.startswith(NOT_COMPARED)}
     if "world_size" in run.info:
         sig["world_size"] = run.info["world_size"]
     return sig

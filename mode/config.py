@@ -36,6 +36,17 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(key, value, allowed)
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> {"a.b.c": value} (the dotted keys overrides and diffs use)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 LayerSpec = Union[str, List[int]]
 LAYER_SPECS = ("none", "every", "every_other")
 

@@ -16,17 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from mode.config import Config, dump_config
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
+from mode.config import Config, dump_config, flatten
 
 
 class Loggers:
@@ -54,7 +44,7 @@ class Loggers:
         text = dump_config(cfg) + yaml.safe_dump(extra, sort_keys=False)
         self.tb.add_text("config", "```yaml\n" + text + "```", 0)  # markdown: keep the YAML layout
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                   for k, v in _flat(cfg.to_dict()).items()}
+                   for k, v in flatten(cfg.to_dict()).items()}
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         for summary in hparams_summary(hparams, {}):  # into this run's event file (add_hparams opens another)

@@ -20,7 +20,7 @@ import yaml
 from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import console, rundir
-from mode.config import Config, ConfigError, dump_config, load_config
+from mode.config import Config, ConfigError, dump_config, flatten, load_config
 from mode.data import DataModule, check_data
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
@@ -42,28 +42,18 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def config_diff(old: dict, new: dict) -> list[str]:
     # A key added to the schema after a run was saved reads as its default: an older run still
     # resumes unless the new key is set to something else.
-    a = {**_flatten(Config().to_dict()), **_flatten(old)}
-    b = _flatten(new)
+    a = {**flatten(Config().to_dict()), **flatten(old)}
+    b = flatten(new)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
 
 
 def schedule_diff(old: dict, new: dict) -> dict[str, tuple]:
     """{key: (saved, new)} for the schedule keys that differ."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     return {k: (a.get(k), b.get(k)) for k in SCHEDULE_KEYS if a.get(k) != b.get(k)}
 
 
