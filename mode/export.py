@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights, save_weights  # noqa: F401
+from mode.portable import TOKENIZER_DIR, WEIGHTS, save_weights
 
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:

@@ -92,7 +92,6 @@ def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, te
     gen = torch.Generator(device=dev).manual_seed(seed)
 
     def pick(logits_BV):
-        nonlocal logits_BTV
         logits_BV = logits_BV.float()
         if vocab_limit is not None:
             logits_BV = logits_BV[:, :vocab_limit]
