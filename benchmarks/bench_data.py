@@ -228,18 +228,17 @@ def main() -> int:
 
         # 2. the memmap loader over >= 2e9 tokens
         B, S = 8, 2048
-        if "loader" not in parts:
-            return 0
-        syn = work / "synthetic"
-        syn.mkdir()
-        t = time.perf_counter()
-        src = synthetic(syn, int(a.tokens))
-        print(f"\n## loader: synthetic memmap of {int(a.tokens):,} tokens (uint16, {a.tokens * 2 / 2**30:.1f} GiB, "
-              f"written in {time.perf_counter() - t:.0f} s), B={B}, S={S}, {a.batches} batches", flush=True)
-        r = run_json(LOADER, "memmap", src, syn, B, S, a.batches)
-        print(f"  memmap: first batch {r['first_batch_s']:.3f} s, {r['batches_per_s']:,.0f} batches/s, "
-              f"peak RSS +{r['peak_rss_over_baseline_mb']:.0f} MB over baseline {r['baseline_mb']:.0f} MB", flush=True)
-        shutil.rmtree(syn)
+        if "loader" in parts:
+            syn = work / "synthetic"
+            syn.mkdir()
+            t = time.perf_counter()
+            src = synthetic(syn, int(a.tokens))
+            print(f"\n## loader: synthetic memmap of {int(a.tokens):,} tokens (uint16, {a.tokens * 2 / 2**30:.1f} GiB, "
+                  f"written in {time.perf_counter() - t:.0f} s), B={B}, S={S}, {a.batches} batches", flush=True)
+            r = run_json(LOADER, "memmap", src, syn, B, S, a.batches)
+            print(f"  memmap: first batch {r['first_batch_s']:.3f} s, {r['batches_per_s']:,.0f} batches/s, "
+                  f"peak RSS +{r['peak_rss_over_baseline_mb']:.0f} MB over baseline {r['baseline_mb']:.0f} MB", flush=True)
+            shutil.rmtree(syn)
 
         # 3. the in-RAM path beside the memmap path, on the same corpus
         if "old" not in parts:
