@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, load_runs, variant_colors,
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, forward_flops_per_token, load_runs, variant_colors,
                          variant_sort_key)
 
 
-def training_budget(run: Run) -> float | None:
+def training_budget(run: RunLog) -> float | None:
     """Configured training FLOPs of a run, or None when run_info/config lack the pieces."""
     fpt, tps, steps = forward_flops_per_token(run), run.info.get("tokens_per_step"), run.cfg("train.max_steps")
     if fpt is None or tps is None or steps is None:
@@ -76,7 +76,7 @@ class Optimum:
     method: str  # "parabola" (fit in log10 params) or "observed" (fewer than 3 sizes / no interior minimum)
 
 
-def collect_points(runs: list[Run], budgets: list[float] | None = None, rtol: float = 0.25) -> list[SizePoint]:
+def collect_points(runs: list[RunLog], budgets: list[float] | None = None, rtol: float = 0.25) -> list[SizePoint]:
     usable = [(r, training_budget(r)) for r in runs]
     usable = [(r, b) for r, b in usable if b and r.last("eval/loss") is not None and r.info.get("params")]
     labels = assign_budgets([b for _, b in usable], budgets, rtol)
@@ -223,7 +223,7 @@ def is_isoflop_grid(points: list[SizePoint]) -> bool:
     return any(len(s) >= 2 for s in sizes.values())
 
 
-def isoflop_section(runs: list[Run], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
+def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
     """Markdown lines (and isoflop.png) when the runs form an isoFLOP grid, else []."""
     points = collect_points(runs, budgets)
     if not is_isoflop_grid(points):
