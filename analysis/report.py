@@ -544,14 +544,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
     p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
     p.add_argument("--experiment", metavar="YAML", default=None,
-                   help="experiment YAML; its FLOP `budgets:` group an isoFLOP grid (else budgets are clustered)")
+                   help="experiment YAML; its top-level FLOP `budgets:` group an isoFLOP grid (else budgets are "
+                        "clustered), as `mode compare` does")
     args = p.parse_args(argv)
     if not Path(args.runs_dir).is_dir():
         p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
     from analysis.isoflop import load_budgets
+    from mode.config import ConfigError
 
     try:
         path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
+    except ConfigError as e:  # a bad `budgets:`: one line, nothing written
+        print(e, file=sys.stderr)
+        return 2
     except NoRuns as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

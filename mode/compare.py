@@ -16,6 +16,8 @@ Experiment format::
     variants:                        # name -> base config (relative to this YAML) + its own overrides/seeds
       dense: {config: ../tiny/dense.yaml}
       moe_dropping: {config: ../tiny/moe_dropping.yaml, seeds: [0, 1], overrides: ["model.moe.capacity_factor=0.5"]}
+    match_flops: {variants: [dense, moe_dropping], tolerance: 0.02}   # checked before anything runs
+    budgets: [1.0e15, 3.0e15]        # training FLOPs: the report's isoFLOP section groups runs by them
 
 Each run is `<variant>_seed<k>` with run directory `runs_dir/<variant>_seed<k>` and the overrides
 `run.dir=...`, `run.name=<variant>`, `train.seed=<k>` applied last (after the experiment's, the
@@ -95,6 +97,7 @@ class Experiment:
     overrides: list[str]
     variants: dict[str, dict]
     match_flops: dict = field(default_factory=dict)  # {variants: [...], tolerance: 0.02}
+    budgets: list[float] | None = None  # training FLOP budgets that group the report's isoFLOP section
 
 
 @dataclass
@@ -182,13 +185,16 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
         if not isinstance(v, dict) or "config" not in v:
             raise _bad(path, f"variants.{name} must be a mapping with a `config:` path")
         _unknown(v, VARIANT_KEYS, path, f"variants.{name}.")
+    from analysis.isoflop import parse_budgets  # the one reader of `budgets:` (also `mode analyze --experiment`)
+
+    budgets = parse_budgets(raw)
     runs_dir = raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=Path(runs_dir),
                       report_dir=Path(raw["report_dir"]) if raw.get("report_dir") else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
-                      match_flops=raw.get("match_flops") or {})
+                      match_flops=raw.get("match_flops") or {}, budgets=budgets)
 
 
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:
@@ -502,7 +508,7 @@ def run_one(exp: Experiment, run: GridRun, env: dict) -> int:
 def report(exp: Experiment) -> Path:
     from analysis.report import analyze
 
-    return Path(analyze(exp.runs_dir, exp.report_dir))
+    return Path(analyze(exp.runs_dir, exp.report_dir, exp.budgets))
 
 
 def write_plan(exp: Experiment, runs: list[GridRun]) -> None:

@@ -373,9 +373,14 @@ def test_isoflop_groups_budgets_and_finds_the_best_size(tmp_path):
 
 
 def test_isoflop_budget_from_experiment_yaml(tmp_path):
+    # one schema, the one `mode compare` reads: the top-level `budgets:` (a number or a list)
     y = tmp_path / "isoflop.yaml"
-    y.write_text("isoflop:\n  budgets: [1.0e12, '3e12']\nvariants: {}\n")
+    y.write_text("budgets: ['3e12', 1.0e12]\nvariants: {}\n")
     assert isoflop.load_budgets(y) == [1e12, 3e12]
+    y.write_text("budgets: 2.0e12\n")
+    assert isoflop.load_budgets(y) == [2e12]
+    y.write_text("isoflop:\n  budgets: [1.0e12]\nflop_budget: 1.0e12\n")  # no longer found at any depth
+    assert isoflop.load_budgets(y) is None
     assert isoflop.assign_budgets([0.9e12, 2.5e12, 3.3e12], [1e12, 3e12]) == [1e12, 3e12, 3e12]
     # without named budgets: clusters within 25%
     labels = isoflop.assign_budgets([1.0, 1.1, 5.0, 5.5])
@@ -402,3 +407,21 @@ def test_processed_fraction_from_logs_reads_the_layer_plan():
                                                    {"moe/layer1/noop_frac": 0.25}))
     assert integ.tolist() == [1.0, 0.75, 1.0, 1.0]
     assert report.processed_frac_from_logs(tb.RunLog(Path("/x"), "v", 0)) is None  # no config: no guess
+
+
+def test_isoflop_curves_are_the_runs_that_differ_only_in_size_and_steps():
+    # Bug caught: every isoFLOP curve had one size (no section at all) once same-named runs of
+    # several sizes were split into `dense#1`, `dense#2` and a compare grid names each size.
+    def run(variant: str, d: int, steps: int, **model) -> tb.RunLog:
+        cfg = {"model": {"d_model": d, "d_ff": 4 * d, **model}, "train": {"max_steps": steps}, "run": {"name": variant}}
+        return tb.RunLog(Path(f"/nonexistent/{variant}"), variant, 0, config=cfg)
+
+    runs = [run("dense_s", 64, 900), run("dense_m", 128, 300), run("mod_s", 64, 900, mod={"capacity": 0.125}),
+            run("mod_m", 128, 300, mod={"capacity": 0.125}), run("dense#1", 64, 10), run("dense#2", 96, 5, n_layers=6),
+            run("moe", 64, 900, moe={"num_experts": 8})]
+    assert isoflop.curve_names(runs) == {"dense_s": "dense", "dense_m": "dense", "dense#1": "dense",
+                                         "dense#2": "dense", "mod_s": "mod", "mod_m": "mod", "moe": "moe"}
+    # a recipe change (not a size) is another curve; two curves never share a name
+    runs[1].config["optim"] = {"lr": 1e-3}
+    names = isoflop.curve_names(runs)
+    assert names["dense_m"] == "dense_m" and len({names[v] for v in ("dense_s", "dense_m")}) == 2
