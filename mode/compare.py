@@ -347,10 +347,8 @@ def status(run: GridRun) -> tuple[str, int]:
             old = {}
         if isinstance(old, dict) and (old.get("train") or {}).get("max_steps") == run.cfg.train.max_steps:
             return "done", run.cfg.train.max_steps
-    last = ckpt.latest(d / "checkpoints")
-    if last is not None:
-        return "resume", int(last.name.split("_")[1])
-    return "new", 0
+    step = ckpt.latest_step(d)
+    return ("new", 0) if step is None else ("resume", step)
 
 
 def describe(run: GridRun) -> str:

@@ -132,3 +132,17 @@ def test_checkpoints_from_before_the_sublayer_split_still_load():
     fresh.load_state_dict(old)  # strict
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_only_mode_checkpoint_spells_the_checkpoint_layout():
+    # Bug caught: the layout (checkpoints/step_XXXXXXXX/, MANIFEST.json, model.pt) parsed by its own
+    # glob and regex in generate, by `name.split("_")` in compare and train: one of them drifts.
+    import re
+
+    spelled = re.compile(r"""["'/]step_[*{(\\\d"']|["']checkpoints["'/]|MANIFEST\.json|["']model\.pt["']|split\("_"\)""")
+    assert spelled.search('f"step_{step:08d}"') and spelled.search('x / "checkpoints"')  # the check sees them
+    assert not spelled.search('"perf/step_time_s"')
+    offenders = [f"{f.relative_to(ROOT)}:{i}" for pkg in ("mode", "analysis", "launch", "benchmarks")
+                 for f in sorted((ROOT / pkg).rglob("*.py")) if f != ROOT / "mode" / "checkpoint.py"
+                 for i, line in enumerate(f.read_text().splitlines(), 1) if spelled.search(line)]
+    assert offenders == []
