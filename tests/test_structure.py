@@ -146,3 +146,21 @@ def test_only_mode_checkpoint_spells_the_checkpoint_layout():
                  for f in sorted((ROOT / pkg).rglob("*.py")) if f != ROOT / "mode" / "checkpoint.py"
                  for i, line in enumerate(f.read_text().splitlines(), 1) if spelled.search(line)]
     assert offenders == []
+
+
+@pytest.mark.parametrize("module", ["mode/engine.py", "mode/moe/deepspeed.py", "mode/lifeline.py"])
+def test_importing_the_engine_changes_no_environment(module, monkeypatch):
+    # Bug caught: mode/engine.py set DS_ACCELERATOR (and with it every child process's accelerator)
+    # as a side effect of `import mode.engine`. A fresh copy of the module's top-level code runs
+    # here (its own imports are loaded already, so only its own code can change os.environ).
+    import importlib
+    import importlib.util
+    import os
+
+    importlib.import_module(module.removesuffix(".py").replace("/", "."))  # its imports (torch sets its own)
+    for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    spec = importlib.util.spec_from_file_location(f"fresh_{Path(module).stem}", ROOT / module)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert dict(os.environ) == before
