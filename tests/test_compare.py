@@ -3,6 +3,7 @@ refuses a bad grid before anything starts, hands runs to the DeepSpeed and SLURM
 its `budgets:` to the report."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -179,16 +180,18 @@ def isoflop_grid(tmp_path: Path, budgets) -> tuple[Path, Path, dict[float, float
 
     runs_dir = tmp_path / "runs"
     variants, best = {}, {}
+    base = {d: load_config(ROOT / "configs/tiny/dense.yaml", [f"model.d_model={d}", f"model.d_ff={4 * d}"])
+            for d in (64, 128, 256)}
     for c, budget in enumerate(BUDGETS):
         sizes = {}
-        for d in (64, 128, 256):
+        for d, cfg in base.items():
             name = f"dense_d{d}_c{c}"
-            over = [f"model.d_model={d}", f"model.d_ff={4 * d}", f"run.name={name}", f"run.dir={runs_dir / name}"]
-            cfg = load_config(ROOT / "configs/tiny/dense.yaml", over)
             tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len
             n = count(cfg)
             steps = round(1.15 * budget / (3 * n["forward_flops_per_token"] * tokens_per_step))
-            cfg = load_config(ROOT / "configs/tiny/dense.yaml", [*over, f"train.max_steps={steps}"])
+            over = [f"model.d_model={d}", f"model.d_ff={4 * d}", f"train.max_steps={steps}"]
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps),
+                                      run=dataclasses.replace(cfg.run, name=name, dir=str(runs_dir / name)))
             sizes[name] = (cfg, n, tokens_per_step)
             variants[name] = {"config": str(ROOT / "configs/tiny/dense.yaml"), "overrides": over}
         mid = math.log10(sizes[f"dense_d128_c{c}"][1]["params"])
