@@ -4,13 +4,19 @@ lowest, taken from a parabola fitted in log10(params) when three or more sizes e
 
 A run's budget is 3 x forward FLOPs/token x tokens/step x train.max_steps (what it was
 configured to spend, so runs still in progress are grouped correctly). Runs are grouped by
-the nearest budget named in the experiment YAML, or else by clustering budgets within a
-relative tolerance (the sizing rounds model shapes, so budgets match only approximately).
+the nearest budget named in the experiment YAML (its top-level `budgets:`, read by
+`parse_budgets` for `mode compare` and `mode analyze --experiment` alike), or else by clustering
+budgets within a relative tolerance (the sizing rounds model shapes, so budgets match only
+approximately). One curve is the runs whose configs differ only in model size and steps
+(`SWEPT`): the variants `dense_s`, `dense_m` of a compare grid, or same-named runs of several
+sizes (`dense#1`, `dense#2`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +24,78 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, load_runs, variant_colors,
-                         variant_sort_key)
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, config_signature, forward_flops_per_token, load_runs,
+                         variant_colors, variant_sort_key)
+from mode.config import ConfigError
+
+BUDGETS_ALLOWED = "a positive FLOP number or a non-empty list of them, e.g. [1.0e15, 3.0e15]"
+# What an isoFLOP sweep varies between the runs of one curve: the model's size and, to hold the
+# budget, the number of steps.
+SWEPT = ("model.d_model", "model.n_layers", "model.n_heads", "model.d_ff", "train.max_steps")
 
 
-def training_budget(run: Run) -> float | None:
+def parse_budgets(experiment: dict) -> list[float] | None:
+    """The FLOP budgets of an experiment YAML (its parsed top-level mapping): `budgets:`, one
+    positive number or a list of them, sorted; None when absent. The one reader of the key, for
+    `mode compare` and `mode analyze --experiment`. Strings such as "1e15" count as numbers (YAML
+    1.1 reads an exponent without a dot as a string); anything else is a ConfigError."""
+    raw = experiment.get("budgets")
+    if raw is None:
+        return None
+    out = []
+    for b in raw if isinstance(raw, list) else [raw]:
+        try:
+            v = float(b) if isinstance(b, (int, float, str)) and not isinstance(b, bool) else math.nan
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError("budgets", raw, BUDGETS_ALLOWED)
+        out.append(v)
+    if not out:
+        raise ConfigError("budgets", raw, BUDGETS_ALLOWED)
+    return sorted(set(out))
+
+
+def load_budgets(experiment_yaml: str | Path) -> list[float] | None:
+    """`parse_budgets` of an experiment YAML file (`mode analyze --experiment`)."""
+    path = Path(experiment_yaml)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError("--experiment", str(path), "an existing experiment YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError("--experiment", str(path), f"valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--experiment", str(path), "an experiment YAML (a mapping at the top level)")
+    return parse_budgets(raw)
+
+
+def curve_names(runs: list[RunLog]) -> dict[str, str]:
+    """{variant: the isoFLOP curve it belongs to}. Variants whose configs differ only in `SWEPT`
+    keys are one curve, named by the common leading words of their names (`dense_s`, `dense_m`
+    -> `dense`; `dense#1`, `dense#2` -> `dense`), or by all their names when none are common."""
+    groups: dict[str, set[str]] = {}
+    for r in runs:
+        sig = {k: v for k, v in config_signature(r).items() if k not in SWEPT}
+        groups.setdefault(json.dumps(sorted(sig.items()), default=str), set()).add(r.variant)
+    named: dict[str, list[set[str]]] = {}
+    for variants in groups.values():
+        bases = sorted({v.partition("#")[0] for v in variants})
+        common = []
+        for parts in zip(*(re.split(r"[_.-]", b) for b in bases)):
+            if len(set(parts)) > 1:
+                break
+            common.append(parts[0])
+        name = bases[0] if len(bases) == 1 else "_".join(common) or "+".join(bases)
+        named.setdefault(name, []).append(variants)
+    out = {}
+    for name, sets in named.items():
+        for variants in sets:  # two curves that would share a name keep their variants' names
+            out.update({v: name if len(sets) == 1 else "+".join(sorted(variants)) for v in variants})
+    return out
+
+
+def training_budget(run: RunLog) -> float | None:
     """Configured training FLOPs of a run, or None when run_info/config lack the pieces."""
     fpt, tps, steps = forward_flops_per_token(run), run.info.get("tokens_per_step"), run.cfg("train.max_steps")
     if fpt is None or tps is None or steps is None:
@@ -76,13 +149,14 @@ class Optimum:
     method: str  # "parabola" (fit in log10 params) or "observed" (fewer than 3 sizes / no interior minimum)
 
 
-def collect_points(runs: list[Run], budgets: list[float] | None = None, rtol: float = 0.25) -> list[SizePoint]:
+def collect_points(runs: list[RunLog], budgets: list[float] | None = None, rtol: float = 0.25) -> list[SizePoint]:
     usable = [(r, training_budget(r)) for r in runs]
     usable = [(r, b) for r, b in usable if b and r.last("eval/loss") is not None and r.info.get("params")]
     labels = assign_budgets([b for _, b in usable], budgets, rtol)
+    curve = curve_names([r for r, _ in usable])
     acc: dict[tuple[str, float, float], list[float]] = {}
     for (r, _), label in zip(usable, labels):
-        acc.setdefault((r.variant, label, float(r.info["params"])), []).append(r.last("eval/loss"))
+        acc.setdefault((curve[r.variant], label, float(r.info["params"])), []).append(r.last("eval/loss"))
     return sorted((SizePoint(v, b, p, float(np.mean(ls)), len(ls)) for (v, b, p), ls in acc.items()),
                   key=lambda s: (variant_sort_key(s.variant), s.budget, s.params))
 
@@ -187,34 +261,6 @@ def plot_isoflop(points: list[SizePoint], opts: list[Optimum], path: str | Path)
     return path
 
 
-def load_budgets(experiment_yaml: str | Path) -> list[float] | None:
-    """FLOP budgets named in an experiment YAML: the first key called `budgets`,
-    `flop_budgets`, `budget` or `flop_budget` at any depth (a number or a list; strings like
-    "1e15" are accepted since YAML 1.1 reads them as strings)."""
-    keys = ("budgets", "flop_budgets", "budget", "flop_budget")
-
-    def find(node):
-        if isinstance(node, dict):
-            for k in keys:
-                if k in node:
-                    return node[k]
-            for v in node.values():
-                found = find(v)
-                if found is not None:
-                    return found
-        elif isinstance(node, list):
-            for v in node:
-                found = find(v)
-                if found is not None:
-                    return found
-        return None
-
-    raw = find(yaml.safe_load(Path(experiment_yaml).read_text()))
-    if raw is None:
-        return None
-    return sorted(float(b) for b in (raw if isinstance(raw, list) else [raw]))
-
-
 def is_isoflop_grid(points: list[SizePoint]) -> bool:
     """Some variant was run at two or more sizes for one budget."""
     sizes: dict[tuple[str, float], set] = {}
@@ -223,15 +269,19 @@ def is_isoflop_grid(points: list[SizePoint]) -> bool:
     return any(len(s) >= 2 for s in sizes.values())
 
 
-def isoflop_section(runs: list[Run], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
+def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
     """Markdown lines (and isoflop.png) when the runs form an isoFLOP grid, else []."""
     points = collect_points(runs, budgets)
     if not is_isoflop_grid(points):
         return []
     opts = optima(points)
     fig = plot_isoflop(points, opts, Path(out_dir) / "isoflop.png")
+    grouping = (f"each run at the nearest budget the experiment names (`budgets: "
+                f"[{', '.join(f'{b:.3g}' for b in budgets)}]`)" if budgets else
+                "budgets are clusters of the runs' training FLOPs (within 25%; an experiment's `budgets:` names them)")
     lines = ["## isoFLOP", "", "Final eval loss vs parameters at each training budget "
-             "(3 × forward FLOPs/token × tokens/step × max_steps); stars mark the loss-optimal size per variant.",
+             f"(3 × forward FLOPs/token × tokens/step × max_steps; {grouping}); one curve per variant whose runs "
+             "differ only in model size and steps; stars mark the loss-optimal size per variant.",
              "", f"![isoFLOP]({fig.name})", "", "| variant | budget (FLOPs) | optimal params | loss | method |",
              "|---|---|---|---|---|"]
     lines += [f"| `{o.variant}` | {o.budget:.3g} | {o.params:.3g} | {o.loss:.4f} | {o.method} |" for o in opts]
@@ -251,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out or Path(args.runs_dir) / "report")
     out.mkdir(parents=True, exist_ok=True)
-    budgets = load_budgets(args.experiment) if args.experiment else None
+    try:
+        budgets = load_budgets(args.experiment) if args.experiment else None
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
     lines = isoflop_section(load_runs(args.runs_dir), out, budgets)
     if not lines:
         print("no isoFLOP grid found: no variant has two sizes at one budget", file=sys.stderr)

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
-from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, Run, forward_flops_per_token, group_by_variant, load_runs,
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, forward_flops_per_token, group_by_variant, load_runs,
                          variant_colors, variant_sort_key)
 
 
@@ -41,7 +41,7 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
-def _last_log_steps(runs: list[Run]) -> str:
+def _last_log_steps(runs: list[RunLog]) -> str:
     steps = sorted({r.series("train/loss")[0][-1] for r in runs if r.series("train/loss")[0].size})
     return ", ".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}..{steps[-1]}"
 
@@ -50,14 +50,14 @@ def _last_log_steps(runs: list[Run]) -> str:
 # Per-run reductions.
 
 
-def median_after_warmup(run: Run, tag: str) -> float | None:
+def median_after_warmup(run: RunLog, tag: str) -> float | None:
     _, v = run.series(tag)
     if v.size == 0:
         return None
     return float(np.median(v[1:] if v.size > 1 else v))
 
 
-def layer_mean_of_last(run: Run, prefix: str, name: str) -> float | None:
+def layer_mean_of_last(run: RunLog, prefix: str, name: str) -> float | None:
     """Mean over routed layers of the last logged `<prefix>/layerN/<name>`."""
     vals = [run.last(f"{prefix}/layer{i}/{name}") for i, names in run.layer_tags(prefix).items() if name in names]
     vals = [v for v in vals if v is not None]
@@ -67,7 +67,7 @@ def layer_mean_of_last(run: Run, prefix: str, name: str) -> float | None:
 DEPTH_PREFIXES = ("mod", "mod_attn", "mod_mlp")  # whole-block routers, decoupled attention / MLP routers
 
 
-def causal_routing_acc(run: Run) -> float | None:
+def causal_routing_acc(run: RunLog) -> float | None:
     """How often the causal rule agrees with top-k membership: the predictor's accuracy, or,
     for routers trained with the aux loss only (no predictor), the router's own sign rule;
     the mean over every depth router (whole-block or decoupled)."""
@@ -78,7 +78,7 @@ def causal_routing_acc(run: Run) -> float | None:
     return None
 
 
-def causal_gap(run: Run) -> float | None:
+def causal_gap(run: RunLog) -> float | None:
     a, b = run.last("eval/loss_causal"), run.last("eval/loss")
     return None if a is None or b is None else a - b
 
@@ -87,7 +87,7 @@ def causal_gap(run: Run) -> float | None:
 class Metric:
     key: str
     label: str
-    reduce: Callable[[Run], float | None]
+    reduce: Callable[[RunLog], float | None]
     fmt: Callable[[float], str]
     constant: bool = False  # a property of the model (params, FLOPs): no spread shown when seeds agree
 
@@ -123,7 +123,7 @@ METRICS: list[Metric] = [
 ]
 
 
-def run_summary(run: Run) -> dict:
+def run_summary(run: RunLog) -> dict:
     """{metric key: value or None} plus identity and progress of one run."""
     steps = [pts[-1].step for pts in run.scalars.values() if pts]
     out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
@@ -155,7 +155,7 @@ def aggregate(values: list[float | None]) -> Stat | None:
     return Stat(float(vals.mean()), float(vals.std(ddof=1)) if vals.size > 1 else float("nan"), int(vals.size))
 
 
-def variant_table(runs: list[Run]) -> dict[str, dict]:
+def variant_table(runs: list[RunLog]) -> dict[str, dict]:
     """{variant: {"seeds": [...], "runs": [run summaries], metric key: Stat | None}}."""
     table = {}
     for variant, vruns in group_by_variant(runs).items():
@@ -183,7 +183,7 @@ def table_markdown(table: dict[str, dict]) -> str:
 # Curves against steps, compute and wall-clock.
 
 
-def values_at_steps(run: Run, tag: str, steps: np.ndarray, per_step: float | None = None) -> np.ndarray | None:
+def values_at_steps(run: RunLog, tag: str, steps: np.ndarray, per_step: float | None = None) -> np.ndarray | None:
     """A cumulative series that starts at 0 at step 0 (train/tokens, perf/elapsed_s) evaluated
     at arbitrary steps (eval steps need not be logging steps): interpolated between logged
     steps, extrapolated past the last one with `per_step` (default: the mean slope). None when
@@ -200,17 +200,17 @@ def values_at_steps(run: Run, tag: str, steps: np.ndarray, per_step: float | Non
     return np.where(steps > s[-1], v[-1] + (steps - s[-1]) * per_step, out)
 
 
-def training_flops_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
+def training_flops_at(run: RunLog, steps: np.ndarray) -> np.ndarray | None:
     fpt = forward_flops_per_token(run)
     tokens = values_at_steps(run, "train/tokens", steps, run.info.get("tokens_per_step"))
     return None if fpt is None or tokens is None else TRAIN_FLOPS_PER_FORWARD_FLOP * fpt * tokens
 
 
-def elapsed_at(run: Run, steps: np.ndarray) -> np.ndarray | None:
+def elapsed_at(run: RunLog, steps: np.ndarray) -> np.ndarray | None:
     return values_at_steps(run, "perf/elapsed_s", steps, median_after_warmup(run, "perf/step_time_s"))
 
 
-def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
+def plot_loss_curves(runs: list[RunLog], path: Path, x: str) -> Path | None:
     """Train loss (faint) and eval loss (markers) of every run, one colour per variant.
     x: "step", "flops" (cumulative training FLOPs) or "time" (perf/elapsed_s)."""
     import matplotlib.pyplot as plt
@@ -257,7 +257,7 @@ def plot_loss_curves(runs: list[Run], path: Path, x: str) -> Path | None:
 # Per-layer routing.
 
 
-def run_plan(run: Run):
+def run_plan(run: RunLog):
     """The run's layer plan (mode/plan.py) from its saved config, or None (no or foreign config)."""
     from mode.config import ConfigError, ModelConfig, _build
     from mode.plan import layer_plan
@@ -271,7 +271,7 @@ def run_plan(run: Run):
         return None
 
 
-def processed_frac_from_logs(run: Run) -> np.ndarray | None:
+def processed_frac_from_logs(run: RunLog) -> np.ndarray | None:
     """[L] fraction of tokens whose MLP update each block computes, when no routing dump exists:
     the depth-routing capacity of the block (or of its MLP, decoupled) times (1 − no-op
     fraction) in MoE layers."""
@@ -285,7 +285,7 @@ def processed_frac_from_logs(run: Run) -> np.ndarray | None:
     return frac
 
 
-def per_layer_processed(runs: list[Run]) -> dict[str, tuple[np.ndarray, str]]:
+def per_layer_processed(runs: list[RunLog]) -> dict[str, tuple[np.ndarray, str]]:
     """{variant: ([L] processed fraction averaged over seeds, source)}; from routing.pt where
     dumped (measured on an eval batch under top-k routing), else from the logs."""
     from analysis.routing import processed_frac_per_layer, try_load_dump
@@ -302,7 +302,7 @@ def per_layer_processed(runs: list[Run]) -> dict[str, tuple[np.ndarray, str]]:
     return out
 
 
-def per_layer_metric(runs: list[Run], prefix: str, name: str) -> dict[str, dict[int, float]]:
+def per_layer_metric(runs: list[RunLog], prefix: str, name: str) -> dict[str, dict[int, float]]:
     """{variant: {layer: last value of <prefix>/layerN/<name>, mean over seeds}} where logged."""
     out = {}
     for variant, vruns in group_by_variant(runs).items():
@@ -316,7 +316,7 @@ def per_layer_metric(runs: list[Run], prefix: str, name: str) -> dict[str, dict[
     return out
 
 
-def load_imbalance(runs: list[Run]) -> dict[str, dict[int, float]]:
+def load_imbalance(runs: list[RunLog]) -> dict[str, dict[int, float]]:
     """{variant: {layer: load_max / load_mean}}: 1 = perfectly balanced experts."""
     mx, mean = per_layer_metric(runs, "moe", "load_max"), per_layer_metric(runs, "moe", "load_mean")
     return {v: {i: mx[v][i] / mean[v][i] for i in mx[v] if i in mean.get(v, {}) and mean[v][i] > 0}
@@ -394,7 +394,7 @@ def per_layer_markdown(columns: list[tuple[str, dict[str, dict[int, float]], Cal
 # The report.
 
 
-def _routing_section(runs: list[Run], out_dir: Path) -> list[str]:
+def _routing_section(runs: list[RunLog], out_dir: Path) -> list[str]:
     """Blocks engaged vs entropy and a routing heatmap per variant that has a routing dump
     (its lowest seed), as markdown lines."""
     from analysis import routing as rt
@@ -444,7 +444,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     lines += [f"{len(runs)} runs, {len(table)} variants."
               + (f" Still running or interrupted (no DONE): {', '.join(unfinished)}." if unfinished else ""), ""]
 
-    split: dict[str, list[Run]] = {}
+    split: dict[str, list[RunLog]] = {}
     for r in sorted((r for r in runs if r.config_diff), key=lambda r: (variant_sort_key(r.variant), str(r.path))):
         split.setdefault(r.variant.partition("#")[0], []).append(r)
     for name, group in split.items():
@@ -544,14 +544,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
     p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
     p.add_argument("--experiment", metavar="YAML", default=None,
-                   help="experiment YAML; its FLOP `budgets:` group an isoFLOP grid (else budgets are clustered)")
+                   help="experiment YAML; its top-level FLOP `budgets:` group an isoFLOP grid (else budgets are "
+                        "clustered), as `mode compare` does")
     args = p.parse_args(argv)
     if not Path(args.runs_dir).is_dir():
         p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
     from analysis.isoflop import load_budgets
+    from mode.config import ConfigError
 
     try:
         path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
+    except ConfigError as e:  # a bad `budgets:`: one line, nothing written
+        print(e, file=sys.stderr)
+        return 2
     except NoRuns as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ class Row:
 
 
 @dataclass
-class Run:
+class RunLog:
     """Everything the analysis reads from one run directory."""
 
     path: Path
@@ -192,7 +192,7 @@ def _read_yaml(path: Path) -> dict:
         return {}
 
 
-def load_run(path: str | Path) -> Run:
+def load_run_log(path: str | Path) -> RunLog:
     """One run directory. Variant and seed come from run_info.json, else config.yaml
     (run.name, train.seed), else the directory name `<variant>_seed<N>`."""
     path = Path(path)
@@ -202,7 +202,7 @@ def load_run(path: str | Path) -> Run:
     variant = info.get("name") or (config.get("run") or {}).get("name") or (m.group("variant") if m else path.name)
     seed = info.get("seed", (config.get("train") or {}).get("seed", int(m.group("seed")) if m else 0))
     scalars = read_scalars(path / "tb") if (path / "tb").is_dir() else {}
-    return Run(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists())
+    return RunLog(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists())
 
 
 def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
@@ -220,8 +220,8 @@ def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
     return sorted(found)
 
 
-def load_runs(runs_dir: str | Path) -> list[Run]:
-    return separate_configs([load_run(p) for p in find_run_dirs(runs_dir)])
+def load_runs(runs_dir: str | Path) -> list[RunLog]:
+    return separate_configs([load_run_log(p) for p in find_run_dirs(runs_dir)])
 
 
 # What a run measures does not depend on its seed, where it lives, or how often it logs and saves;
@@ -230,7 +230,7 @@ NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.sto
                 "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite")
 
 
-def config_signature(run: Run) -> dict:
+def config_signature(run: RunLog) -> dict:
     """The run's resolved config minus seed/run/logging keys, plus its world size."""
     sig = {k: v for k, v in flatten(run.config).items() if not k.startswith(NOT_COMPARED)}
     if "world_size" in run.info:
@@ -238,11 +238,11 @@ def config_signature(run: Run) -> dict:
     return sig
 
 
-def separate_configs(runs: list[Run]) -> list[Run]:
+def separate_configs(runs: list[RunLog]) -> list[RunLog]:
     """Runs named alike (`run.name`) are seeds of one variant only if their configs agree; otherwise
     each config becomes its own variant `<name>#1`, `<name>#2`, ... (first by path) and its runs get
     `config_diff`, the keys in which the configs differ, so a report never averages unlike runs."""
-    by_name: dict[str, list[Run]] = {}
+    by_name: dict[str, list[RunLog]] = {}
     for r in runs:
         by_name.setdefault(r.variant, []).append(r)
     for name, group in by_name.items():
@@ -259,14 +259,14 @@ def separate_configs(runs: list[Run]) -> list[Run]:
     return runs
 
 
-def to_rows(runs: list[Run]) -> list[Row]:
+def to_rows(runs: list[RunLog]) -> list[Row]:
     """All scalars of all runs as flat rows (run, variant, seed, tag, step, value, wall_time)."""
     return [r for run in runs for r in run.rows()]
 
 
-def group_by_variant(runs: list[Run]) -> dict[str, list[Run]]:
+def group_by_variant(runs: list[RunLog]) -> dict[str, list[RunLog]]:
     """{variant: runs sorted by seed}, variants in a fixed, readable order."""
-    out: dict[str, list[Run]] = {}
+    out: dict[str, list[RunLog]] = {}
     for run in runs:
         out.setdefault(run.variant, []).append(run)
     return {v: sorted(out[v], key=lambda r: (r.seed, r.name)) for v in sorted(out, key=variant_sort_key)}
@@ -282,7 +282,7 @@ def variant_sort_key(name: str):
     return (VARIANT_ORDER.index(base), "", n) if base in VARIANT_ORDER else (len(VARIANT_ORDER), base, n)
 
 
-def forward_flops_per_token(run: Run) -> float | None:
+def forward_flops_per_token(run: RunLog) -> float | None:
     f = run.info.get("forward_flops_per_token")
     return float(f) if f is not None else run.last("perf/flops_per_token")
 

@@ -30,12 +30,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-STEP_RE = re.compile(r"^step_(\d{8})$")
+# The layout: the one place that spells it. Everything else calls the functions below.
+CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/
+STEP_RE = re.compile(r"^step_(\d{8})$")  # .../step_00000100/ (`.tmp`: being written, `.bad`: moved aside)
 MANIFEST = "MANIFEST.json"
+MODEL = "model.pt"  # the plain state dict that sampling, `mode eval` and `mode export` read
+WEIGHTS_GLOB = f"{CHECKPOINTS}/step_*/{MODEL}"  # how messages name it, relative to run.dir
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message is one line naming the cause."""
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The checkpoint directory of `step` under `root` (a run's checkpoints_dir)."""
+    return Path(root) / f"step_{step:08d}"
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -55,8 +69,17 @@ def latest(root: Path) -> Path | None:
     return c[-1] if c else None
 
 
+def latest_step(run_dir: str | os.PathLike) -> int | None:
+    """The step of a run's newest complete checkpoint, or None when it has none."""
+    last = latest(checkpoints_dir(run_dir))
+    return None if last is None else step_of(last)
+
+
 def step_of(path: Path) -> int:
-    return int(Path(path).name.split("_")[1])
+    m = STEP_RE.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_XXXXXXXX)")
+    return int(m.group(1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +151,21 @@ def newest_verified(root: Path, move_aside: bool = True, log=None) -> Path | Non
         moved = _move_aside(d) if move_aside else None
         log(f"checkpoint {d} is unusable ({problem}); " + (f"moved to {moved.name}, " if moved else "")
             + "falling back to the previous one")
+    return None
+
+
+def newest_weights(run_dir: str | os.PathLike, log=None) -> Path | None:
+    """For reading weights only (sampling, `mode eval`, `mode export`): the newest checkpoint of a
+    run holding model.pt whose manifest verifies, or that has none (saved before manifests). A
+    damaged newer one is reported in one line and left in place: reading never changes a run."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    for d in reversed(step_dirs(checkpoints_dir(run_dir))):
+        if not (d / MODEL).is_file():
+            continue
+        problem = verify(d) if (d / MANIFEST).is_file() else None
+        if problem is None:
+            return d
+        log(f"checkpoint {d} is unusable ({problem}); falling back to the previous one")
     return None
 
 
@@ -210,9 +248,8 @@ def io_cause(e: BaseException, where: Path) -> str:
 
 def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int,
          rank_state: dict | None = None) -> Path:
-    root = Path(root)
-    tag = f"step_{step:08d}"
-    tmp, final = root / f"{tag}.tmp", root / tag
+    final = step_dir(root, step)
+    root, tmp = final.parent, final.with_name(final.name + ".tmp")
     bad = nonfinite_state(engine)
     if not _all(not bad):
         good = latest(root)
@@ -232,7 +269,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
             torch.save({**rng_state(), "extra": rank_state or {}}, tmp / f"rng_rank{rank}.pt")
             if rank == 0:
                 torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                            for k, v in engine.module.state_dict().items()}, tmp / "model.pt")
+                            for k, v in engine.module.state_dict().items()}, tmp / MODEL)
         except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types
             err = e
     if _all(err is None):

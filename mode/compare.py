@@ -16,6 +16,8 @@ Experiment format::
     variants:                        # name -> base config (relative to this YAML) + its own overrides/seeds
       dense: {config: ../tiny/dense.yaml}
       moe_dropping: {config: ../tiny/moe_dropping.yaml, seeds: [0, 1], overrides: ["model.moe.capacity_factor=0.5"]}
+    match_flops: {variants: [dense, moe_dropping], tolerance: 0.02}   # checked before anything runs
+    budgets: [1.0e15, 3.0e15]        # training FLOPs: the report's isoFLOP section groups runs by them
 
 Each run is `<variant>_seed<k>` with run directory `runs_dir/<variant>_seed<k>` and the overrides
 `run.dir=...`, `run.name=<variant>`, `train.seed=<k>` applied last (after the experiment's, the
@@ -95,10 +97,11 @@ class Experiment:
     overrides: list[str]
     variants: dict[str, dict]
     match_flops: dict = field(default_factory=dict)  # {variants: [...], tolerance: 0.02}
+    budgets: list[float] | None = None  # training FLOP budgets that group the report's isoFLOP section
 
 
 @dataclass
-class Run:
+class GridRun:
     variant: str
     seed: int
     config: str
@@ -182,16 +185,19 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
         if not isinstance(v, dict) or "config" not in v:
             raise _bad(path, f"variants.{name} must be a mapping with a `config:` path")
         _unknown(v, VARIANT_KEYS, path, f"variants.{name}.")
+    from analysis.isoflop import parse_budgets  # the one reader of `budgets:` (also `mode analyze --experiment`)
+
+    budgets = parse_budgets(raw)
     runs_dir = raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=Path(runs_dir),
                       report_dir=Path(raw["report_dir"]) if raw.get("report_dir") else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
-                      match_flops=raw.get("match_flops") or {})
+                      match_flops=raw.get("match_flops") or {}, budgets=budgets)
 
 
-def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[Run]:
+def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:
     """variants x seeds -> runs (experiment order, seeds ascending as listed)."""
     if only:
         unknown = [v for v in only if v not in exp.variants]
@@ -211,7 +217,7 @@ def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | No
             run_dir = exp.runs_dir / f"{name}_seed{s}"
             ov = [*exp.overrides, *_str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides"),
                   *(extra or []), f"run.dir={run_dir}", f"run.name={name}", f"train.seed={s}"]
-            runs.append(Run(variant=name, seed=s, config=str(cfg_path), overrides=ov))
+            runs.append(GridRun(variant=name, seed=s, config=str(cfg_path), overrides=ov))
     return runs
 
 
@@ -256,7 +262,7 @@ def child_env(exp: Experiment) -> dict:
     return env
 
 
-def command(exp: Experiment, run: Run) -> list[str]:
+def command(exp: Experiment, run: GridRun) -> list[str]:
     o, py = exp.options, sys.executable
     if exp.launcher == "local":
         if exp.nproc == 1:
@@ -293,7 +299,7 @@ def slurm_ranks_per_node(exp: Experiment) -> int:
 # Validation and status.
 
 
-def validate(exp: Experiment, runs: list[Run]) -> None:
+def validate(exp: Experiment, runs: list[GridRun]) -> None:
     """Resolve and preflight every run before any starts; a failure names the variant and seed."""
     from mode.config import load_config
     from mode.train import preflight
@@ -310,7 +316,7 @@ def validate(exp: Experiment, runs: list[Run]) -> None:
     check_matched_flops(exp, runs)
 
 
-def check_matched_flops(exp: Experiment, runs: list[Run]) -> dict[str, float]:
+def check_matched_flops(exp: Experiment, runs: list[GridRun]) -> dict[str, float]:
     """`match_flops: {variants: [a, b, ...], tolerance: 0.02}` promises those variants the same
     forward FLOPs per token (as `mode flops` counts them); refuse the grid if it does not hold."""
     from mode.flops import count
@@ -327,7 +333,7 @@ def check_matched_flops(exp: Experiment, runs: list[Run]) -> dict[str, float]:
     return flops
 
 
-def status(run: Run) -> tuple[str, int]:
+def status(run: GridRun) -> tuple[str, int]:
     from mode import checkpoint as ckpt
 
     d = run.dir
@@ -341,13 +347,11 @@ def status(run: Run) -> tuple[str, int]:
             old = {}
         if isinstance(old, dict) and (old.get("train") or {}).get("max_steps") == run.cfg.train.max_steps:
             return "done", run.cfg.train.max_steps
-    last = ckpt.latest(d / "checkpoints")
-    if last is not None:
-        return "resume", int(last.name.split("_")[1])
-    return "new", 0
+    step = ckpt.latest_step(d)
+    return ("new", 0) if step is None else ("resume", step)
 
 
-def describe(run: Run) -> str:
+def describe(run: GridRun) -> str:
     if run.status == "done":
         return "done, skipped"
     if run.status == "resume":
@@ -381,7 +385,7 @@ def slurm_job_state(job: str) -> str:
     return "UNKNOWN"
 
 
-def slurm_script(exp: Experiment, run: Run, env: dict) -> str:
+def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
     """A submit script that replays this submission: cwd, interpreter, environment, sbatch line."""
     lr = _launch()
     keep = {k: v for k, v in env.items() if (k.startswith(lr.PASS_PREFIXES) or k in (
@@ -394,17 +398,17 @@ def slurm_script(exp: Experiment, run: Run, env: dict) -> str:
             f"cd {shlex.quote(os.getcwd())}\n{exports}exec {shlex.join(command(exp, run))}\n")
 
 
-def _slurm_log(exp: Experiment, run: Run, job: str) -> Path:
+def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
     return exp.runs_dir.resolve() / "slurm" / f"{run.name}-{job}.out"
 
 
-def _unfinished(exp: Experiment, run: Run, job: str, state: str) -> str:
+def _unfinished(exp: Experiment, run: GridRun, job: str, state: str) -> str:
     run.status, run.resume_step = status(run)
     where = f"stopped at step {run.resume_step}" if run.status == "resume" else "no checkpoint"
     return (f"{run.name}: job {job} {state} without finishing the run ({where}); log: {_slurm_log(exp, run, job)}")
 
 
-def run_slurm(exp: Experiment, runs: list[Run], env: dict, log, resubmit: bool = False) -> tuple[dict, list[str]]:
+def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bool = False) -> tuple[dict, list[str]]:
     """Write (and, with submit: true, submit) a script per unfinished run. Returns the jobs queued or
     running ({run name: job id}) and one line per run whose last job ended without finishing it."""
     out = exp.runs_dir / "slurm"
@@ -444,7 +448,7 @@ def run_slurm(exp: Experiment, runs: list[Run], env: dict, log, resubmit: bool =
     return active, failed
 
 
-def wait_slurm(exp: Experiment, runs: list[Run], active: dict, log, poll_s: float) -> list[str]:
+def wait_slurm(exp: Experiment, runs: list[GridRun], active: dict, log, poll_s: float) -> list[str]:
     """Poll until every job has left the queue; one line per run that its job did not finish."""
     by_name = {r.name: r for r in runs}
     last: dict[str, str] = {}
@@ -476,7 +480,7 @@ def _raise_stopped(signum, frame):
     raise Stopped(signum)
 
 
-def run_one(exp: Experiment, run: Run, env: dict) -> int:
+def run_one(exp: Experiment, run: GridRun, env: dict) -> int:
     """Run one job in its own process group; SIGTERM/SIGINT to compare stop the whole job (launcher
     and ranks): a stopped compare leaves no trainer behind. Returns the exit code (128 + signal)."""
     proc = subprocess.Popen(command(exp, run), env=env, start_new_session=True)  # the run's bar passes through
@@ -502,10 +506,10 @@ def run_one(exp: Experiment, run: Run, env: dict) -> int:
 def report(exp: Experiment) -> Path:
     from analysis.report import analyze
 
-    return Path(analyze(exp.runs_dir, exp.report_dir))
+    return Path(analyze(exp.runs_dir, exp.report_dir, exp.budgets))
 
 
-def write_plan(exp: Experiment, runs: list[Run]) -> None:
+def write_plan(exp: Experiment, runs: list[GridRun]) -> None:
     exp.runs_dir.mkdir(parents=True, exist_ok=True)
     plan = {"experiment": str(exp.path), "name": exp.name, "launcher": exp.launcher,
             "runs": [{"name": r.name, "variant": r.variant, "seed": r.seed, "config": r.config,
@@ -580,7 +584,7 @@ def main(argv=None) -> int:
         return 128 + int(e.signum)
 
 
-def _run_all(a, exp: Experiment, runs: list[Run], env: dict, log, lock) -> int:
+def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> int:
     n = len(runs)
     todo = sum(r.status != "done" for r in runs)
     write_plan(exp, runs)

@@ -21,8 +21,6 @@ Python API:
 """
 from __future__ import annotations
 
-import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,22 +191,12 @@ def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temp
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest complete checkpoint dir: checkpoints/step_<N> (no `.tmp` suffix) holding model.pt
-    whose manifest verifies (one without a manifest predates manifests). A damaged newer one is
-    reported in one line and skipped (left in place: sampling never changes a run)."""
-    from mode.checkpoint import MANIFEST, verify
+    """Newest complete checkpoint dir of a run holding model.pt whose manifest verifies (one without
+    a manifest predates manifests); mode/checkpoint.py `newest_weights`, which owns the layout. A
+    damaged newer one is reported in one line and skipped (left in place: sampling never changes a run)."""
+    from mode.checkpoint import newest_weights
 
-    ckpts = []
-    for d in (Path(run_dir) / "checkpoints").glob("step_*"):
-        m = re.fullmatch(r"step_(\d+)", d.name)
-        if m and d.is_dir() and (d / "model.pt").is_file():
-            ckpts.append((int(m.group(1)), d))
-    for _, d in sorted(ckpts, reverse=True):
-        problem = verify(d) if (d / MANIFEST).exists() else None
-        if problem is None:
-            return d
-        print(f"checkpoint {d} is unusable ({problem}); falling back to the previous one", file=sys.stderr)
-    return None
+    return newest_weights(run_dir)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_source: bool = False):
@@ -216,6 +204,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     complete checkpoint's plain state_dict, model.pt: no DeepSpeed needed) or from a directory
     written by `mode export` (config.yaml, model.safetensors, tokenizer/). With `return_source`, the
     file the weights came from is returned fourth. A missing run or checkpoint is a ConfigError."""
+    from mode.checkpoint import MODEL, WEIGHTS_GLOB
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
     from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
@@ -239,9 +228,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     else:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
-            raise ConfigError("--run", str(run_dir), "a run with a complete checkpoint (checkpoints/step_*/model.pt): "
+            raise ConfigError("--run", str(run_dir), f"a run with a complete checkpoint ({WEIGHTS_GLOB}): "
                               "none yet; train it first")
-        source = ckpt / "model.pt"
+        source = ckpt / MODEL
         state = torch.load(source, map_location="cpu", weights_only=True)
         state = state.get("module", state) if isinstance(state, dict) else state
         state = {k.removeprefix("module."): v for k, v in state.items()}

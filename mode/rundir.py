@@ -21,14 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+from mode.checkpoint import CHECKPOINTS, checkpoints_dir
 from mode.config import ConfigError
 
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
-ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", "checkpoints", "routing.pt", "deepspeed_env", LOCK,
+ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
-SIGNATURES = ("checkpoints", "tb", "run_info.json", LOCK)
+SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 
 
 def _is_within(a: Path, b: Path) -> bool:
@@ -68,7 +69,7 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
     ancestor = d
     while not ancestor.exists():
         ancestor = ancestor.parent
-    for p in (ancestor, d / "checkpoints", d / "tb"):
+    for p in (ancestor, checkpoints_dir(d), d / "tb"):
         if p.exists() and not os.access(p, os.W_OK):
             raise ConfigError(key, run_dir, f"a writable directory ({p} is read-only)")
     return d

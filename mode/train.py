@@ -76,7 +76,7 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
-    if sched and not cfg.train.allow_schedule_change and ckpt.latest(Path(cfg.run.dir) / "checkpoints") is not None:
+    if sched and not cfg.train.allow_schedule_change and ckpt.latest_step(cfg.run.dir) is not None:
         key, (was, now) = next(iter(sched.items()))
         raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
                           "its LR schedule depends on it (resuming would recompute the schedule at the resumed "
@@ -120,7 +120,7 @@ def check_world(cfg: Config, world: int) -> None:
     """A checkpoint holds per-rank RNG states and a data position counted in global batches of its
     world size: resuming it at another world size would not continue the same run. Refused."""
     info = Path(cfg.run.dir) / "run_info.json"
-    if cfg.run.fresh or not info.exists() or ckpt.latest(Path(cfg.run.dir) / "checkpoints") is None:
+    if cfg.run.fresh or not info.exists() or ckpt.latest_step(cfg.run.dir) is None:
         return
     saved = json.loads(info.read_text()).get("world_size", world)
     if saved != world:
@@ -132,10 +132,9 @@ def check_world(cfg: Config, world: int) -> None:
 def finished(cfg: Config) -> str | None:
     """A message when run.dir holds this run already finished (DONE at train.max_steps), else None."""
     run_dir = Path(cfg.run.dir)
-    last = ckpt.latest(run_dir / "checkpoints")
-    if cfg.run.fresh or not (run_dir / "DONE").exists() or last is None:
+    step = ckpt.latest_step(run_dir)
+    if cfg.run.fresh or not (run_dir / "DONE").exists() or step is None:
         return None
-    step = int(last.name.split("_")[1])
     if step < cfg.train.max_steps:
         return None
     return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
@@ -158,7 +157,7 @@ class Trainer:
                 rundir.empty_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self._barrier()
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_dir = ckpt.checkpoints_dir(self.run_dir)
 
         torch.manual_seed(cfg.train.seed)  # identical init on every rank
         self.data = DataModule(cfg.data, self.rank, self.world)

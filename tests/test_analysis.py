@@ -121,7 +121,7 @@ def test_resumed_run_is_merged_latest_write_wins(runs_dir):
     relogged = sorted(set(first["train/loss"]) & set(second["train/loss"]))
     assert relogged == [8, 10, 12], relogged  # restarted from the step-6 checkpoint
 
-    run = tb.load_run(dense)
+    run = tb.load_run_log(dense)
     assert run.variant == "dense" and run.seed == 0 and run.done
     for tag in ("train/loss", "perf/step_time_s", "perf/elapsed_s", "train/tokens"):
         steps, values = run.series(tag)
@@ -165,7 +165,7 @@ def test_in_progress_run_with_truncated_event_file_and_no_metadata(runs_dir, tmp
     f = next((live / "tb").glob("events.out.tfevents.*"))
     data = f.read_bytes()
     f.write_bytes(data[:-7])
-    run = tb.load_run(live)
+    run = tb.load_run_log(live)
     assert run.variant == "dense" and run.seed == 7 and not run.done  # from the directory name
     full = raw_merged(src)
     for tag, pts in run.scalars.items():
@@ -343,11 +343,11 @@ def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
 # isoFLOP (pure functions; the grid itself is too expensive for the unit tests).
 
 
-def fake_run(variant: str, params: float, fpt: float, steps: int, loss: float) -> tb.Run:
-    return tb.Run(Path(f"/nonexistent/{variant}_{params:g}"), variant, 0,
-                  info={"params": params, "forward_flops_per_token": fpt, "tokens_per_step": 1000},
-                  config={"train": {"max_steps": steps}},
-                  scalars={"eval/loss": [tb.Point(steps, loss, 0.0)]})
+def fake_run(variant: str, params: float, fpt: float, steps: int, loss: float) -> tb.RunLog:
+    return tb.RunLog(Path(f"/nonexistent/{variant}_{params:g}"), variant, 0,
+                     info={"params": params, "forward_flops_per_token": fpt, "tokens_per_step": 1000},
+                     config={"train": {"max_steps": steps}},
+                     scalars={"eval/loss": [tb.Point(steps, loss, 0.0)]})
 
 
 def test_isoflop_groups_budgets_and_finds_the_best_size(tmp_path):
@@ -373,9 +373,14 @@ def test_isoflop_groups_budgets_and_finds_the_best_size(tmp_path):
 
 
 def test_isoflop_budget_from_experiment_yaml(tmp_path):
+    # one schema, the one `mode compare` reads: the top-level `budgets:` (a number or a list)
     y = tmp_path / "isoflop.yaml"
-    y.write_text("isoflop:\n  budgets: [1.0e12, '3e12']\nvariants: {}\n")
+    y.write_text("budgets: ['3e12', 1.0e12]\nvariants: {}\n")
     assert isoflop.load_budgets(y) == [1e12, 3e12]
+    y.write_text("budgets: 2.0e12\n")
+    assert isoflop.load_budgets(y) == [2e12]
+    y.write_text("isoflop:\n  budgets: [1.0e12]\nflop_budget: 1.0e12\n")  # no longer found at any depth
+    assert isoflop.load_budgets(y) is None
     assert isoflop.assign_budgets([0.9e12, 2.5e12, 3.3e12], [1e12, 3e12]) == [1e12, 3e12, 3e12]
     # without named budgets: clusters within 25%
     labels = isoflop.assign_budgets([1.0, 1.1, 5.0, 5.5])
@@ -388,10 +393,10 @@ def test_isoflop_budget_from_experiment_yaml(tmp_path):
 def test_processed_fraction_from_logs_reads_the_layer_plan():
     # Bug caught: capacity re-read as one number (a per-layer schedule, decoupled MLP capacities),
     # or layers guessed from tag names.
-    def run_of(mod: dict, moe: dict | None = None, scalars: dict | None = None) -> tb.Run:
+    def run_of(mod: dict, moe: dict | None = None, scalars: dict | None = None) -> tb.RunLog:
         model = {"n_layers": 4, "mod": mod, **({"moe": moe} if moe else {})}
-        return tb.Run(Path("/nonexistent/r"), "v", 0, config={"model": model},
-                      scalars={k: [tb.Point(10, v, 0.0)] for k, v in (scalars or {}).items()})
+        return tb.RunLog(Path("/nonexistent/r"), "v", 0, config={"model": model},
+                         scalars={k: [tb.Point(10, v, 0.0)] for k, v in (scalars or {}).items()})
 
     sched = report.processed_frac_from_logs(run_of({"layers": "every_other", "capacity": [0.5, 0.25]}))
     assert sched.tolist() == [1.0, 0.5, 1.0, 0.25]
@@ -401,4 +406,22 @@ def test_processed_fraction_from_logs_reads_the_layer_plan():
     integ = report.processed_frac_from_logs(run_of({"layers": "none"}, {"layers": [1], "num_noop_experts": 2},
                                                    {"moe/layer1/noop_frac": 0.25}))
     assert integ.tolist() == [1.0, 0.75, 1.0, 1.0]
-    assert report.processed_frac_from_logs(tb.Run(Path("/x"), "v", 0)) is None  # no config: no guess
+    assert report.processed_frac_from_logs(tb.RunLog(Path("/x"), "v", 0)) is None  # no config: no guess
+
+
+def test_isoflop_curves_are_the_runs_that_differ_only_in_size_and_steps():
+    # Bug caught: every isoFLOP curve had one size (no section at all) once same-named runs of
+    # several sizes were split into `dense#1`, `dense#2` and a compare grid names each size.
+    def run(variant: str, d: int, steps: int, **model) -> tb.RunLog:
+        cfg = {"model": {"d_model": d, "d_ff": 4 * d, **model}, "train": {"max_steps": steps}, "run": {"name": variant}}
+        return tb.RunLog(Path(f"/nonexistent/{variant}"), variant, 0, config=cfg)
+
+    runs = [run("dense_s", 64, 900), run("dense_m", 128, 300), run("mod_s", 64, 900, mod={"capacity": 0.125}),
+            run("mod_m", 128, 300, mod={"capacity": 0.125}), run("dense#1", 64, 10), run("dense#2", 96, 5, n_layers=6),
+            run("moe", 64, 900, moe={"num_experts": 8})]
+    assert isoflop.curve_names(runs) == {"dense_s": "dense", "dense_m": "dense", "dense#1": "dense",
+                                         "dense#2": "dense", "mod_s": "mod", "mod_m": "mod", "moe": "moe"}
+    # a recipe change (not a size) is another curve; two curves never share a name
+    runs[1].config["optim"] = {"lr": 1e-3}
+    names = isoflop.curve_names(runs)
+    assert names["dense_m"] == "dense_m" and len({names[v] for v in ("dense_s", "dense_m")}) == 2

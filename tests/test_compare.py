@@ -1,8 +1,11 @@
 """`mode compare`: an experiment grid runs end to end, skips finished runs, resumes interrupted ones,
-refuses a bad grid before anything starts, and hands runs to the DeepSpeed and SLURM launchers."""
+refuses a bad grid before anything starts, hands runs to the DeepSpeed and SLURM launchers, and hands
+its `budgets:` to the report."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -157,3 +160,106 @@ def test_deepspeed_launcher_runs_the_grid(tmp_path):
     assert (d / "DONE").exists() and json.loads((d / "run_info.json").read_text())["world_size"] == 2
     assert list(scalars(d, "train/loss")) == [1, 2]
     assert last_line(r) == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
+
+
+# ----------------------------------------------------------------------------------------------
+# `budgets:` (no process starts: the report is written from saved run logs).
+
+BUDGETS = [1e12, 1e13]
+
+
+def isoflop_grid(tmp_path: Path, budgets) -> tuple[Path, Path, dict[float, float]]:
+    """An isoFLOP compare grid as its runs leave it: variants `dense_d<width>_c<budget>` (three sizes
+    at each of two budgets, each run 15% over its budget, as sizing by rounding leaves them) with
+    config.yaml, run_info.json and an eval/loss event file. Returns (experiment YAML, runs_dir,
+    {budget: params of the size whose loss is lowest})."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mode.config import load_config
+    from mode.flops import count
+
+    runs_dir = tmp_path / "runs"
+    variants, best = {}, {}
+    base = {d: load_config(ROOT / "configs/tiny/dense.yaml", [f"model.d_model={d}", f"model.d_ff={4 * d}"])
+            for d in (64, 128, 256)}
+    for c, budget in enumerate(BUDGETS):
+        sizes = {}
+        for d, cfg in base.items():
+            name = f"dense_d{d}_c{c}"
+            tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len
+            n = count(cfg)
+            steps = round(1.15 * budget / (3 * n["forward_flops_per_token"] * tokens_per_step))
+            over = [f"model.d_model={d}", f"model.d_ff={4 * d}", f"train.max_steps={steps}"]
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps),
+                                      run=dataclasses.replace(cfg.run, name=name, dir=str(runs_dir / name)))
+            sizes[name] = (cfg, n, tokens_per_step)
+            variants[name] = {"config": str(ROOT / "configs/tiny/dense.yaml"), "overrides": over}
+        mid = math.log10(sizes[f"dense_d128_c{c}"][1]["params"])
+        best[budget] = sizes[f"dense_d128_c{c}"][1]["params"]
+        for name, (cfg, n, tokens_per_step) in sizes.items():
+            d = runs_dir / f"{name}_seed0"
+            d.mkdir(parents=True)
+            (d / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+            (d / "run_info.json").write_text(json.dumps({"name": name, "seed": 0, "world_size": 1,
+                                                        "params": n["params"], "tokens_per_step": tokens_per_step,
+                                                        "forward_flops_per_token": n["forward_flops_per_token"]}))
+            w = SummaryWriter(str(d / "tb"))  # an exact parabola in log10(params), lowest at d=128
+            w.add_scalar("eval/loss", 3.0 - 0.2 * c + 0.5 * (math.log10(n["params"]) - mid) ** 2, cfg.train.max_steps)
+            w.close()
+            (d / "DONE").write_text("{}")
+    exp = tmp_path / "grid.yaml"
+    exp.write_text(yaml.safe_dump({"name": "iso", "runs_dir": str(runs_dir), "variants": variants,
+                                   **({"budgets": budgets} if budgets is not None else {})}))
+    return exp, runs_dir, best
+
+
+def isoflop_rows(report_md: Path) -> list[list[str]]:
+    text = report_md.read_text()
+    section = text[text.index("## isoFLOP"):].split("\n## ")[0]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in section.splitlines() if ln.startswith("| `")]
+
+
+def test_budgets_of_a_compare_grid_group_the_isoflop_section_of_its_report(tmp_path, monkeypatch):
+    # Bug caught: `budgets:` accepted by `mode compare` but never handed to the report (runs were
+    # then grouped by clusters of their own FLOPs, 15% off the named budgets), and a second, looser
+    # reader of it in `mode analyze --experiment`.
+    from analysis import isoflop, report
+    from analysis.tb import load_runs
+    from mode import compare
+
+    exp_path, runs_dir, best = isoflop_grid(tmp_path, [1.0e12, "1e13"])  # YAML 1.1 reads 1e13 as a string
+    exp = compare.load_experiment(exp_path)
+    assert exp.budgets == BUDGETS
+    md = compare.report(exp)
+    rows = isoflop_rows(md)
+    assert [r[:2] for r in rows] == [["`dense`", "1e+12"], ["`dense`", "1e+13"]]  # one curve, the named budgets
+    for r, budget in zip(rows, BUDGETS):  # the vertex of the exact parabola: the middle size
+        assert float(r[2]) == pytest.approx(best[budget], rel=2e-3) and r[4] == "parabola"
+    assert "`budgets: [1e+12, 1e+13]`" in md.read_text()
+
+    # the control: without budgets the runs group under clusters of their own FLOPs
+    clustered = sorted({p.budget for p in isoflop.collect_points(load_runs(runs_dir))})
+    assert len(clustered) == 2 and all(1.1 < c / b < 1.2 for c, b in zip(clustered, BUDGETS))
+
+    # `mode analyze --experiment` hands the report the same budgets
+    seen = []
+    monkeypatch.setattr(report, "analyze", lambda runs, out, budgets: seen.append(budgets) or md)
+    assert report.main([str(runs_dir), "--experiment", str(exp_path)]) == 0
+    assert seen == [BUDGETS]
+
+
+@pytest.mark.parametrize("value", [-1e12, 0, [], [1e12, "lots"], True, [1e12, float("nan")], {"a": 1e12}])
+def test_a_bad_budget_is_one_config_error_before_anything_runs(tmp_path, capsys, value):
+    from analysis.isoflop import BUDGETS_ALLOWED
+    from analysis.report import main as analyze_main
+    from mode import compare
+
+    exp = experiment(tmp_path, budgets=value)
+    parsed = yaml.safe_load(exp.read_text())["budgets"]
+    line = f"config error: budgets={parsed!r}: {BUDGETS_ALLOWED}"
+    assert compare.main([str(exp), "--dry-run"]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    (tmp_path / "runs").mkdir()
+    assert analyze_main([str(tmp_path / "runs"), "--experiment", str(exp)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert list((tmp_path / "runs").iterdir()) == []  # nothing written

@@ -90,9 +90,11 @@ def test_generate_text_and_load_run(tmp_path):
     cfg = Config(model=model.cfg)
     cfg.data.seq_len = 32
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    for name, m in (("step_00000005", tiny(seed=1)), ("step_00000010", model), ("step_00000020.tmp", tiny(seed=2))):
-        (tmp_path / "checkpoints" / name).mkdir(parents=True)
-        torch.save(m.state_dict(), tmp_path / "checkpoints" / name / "model.pt")
+    from tests.util import fake_checkpoint
+
+    for step, m in ((5, tiny(seed=1)), (10, model), (20, tiny(seed=2))):
+        d = fake_checkpoint(tmp_path, step, m.state_dict())
+    d.rename(d.with_name(d.name + ".tmp"))  # step 20 still being written
     assert latest_checkpoint(tmp_path).name == "step_00000010"
     loaded, tok2, cfg2 = load_run(tmp_path)
     assert cfg2.model.mod.layers == "every_other" and not loaded.training

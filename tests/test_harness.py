@@ -23,7 +23,7 @@ from mode.generate import generate_ids, load_run  # noqa: E402
 from mode.harness import ModeLM, rolling_windows  # noqa: E402
 from mode.mod import MoDBlock  # noqa: E402
 from mode.model import build_model  # noqa: E402
-from tests.util import ROOT, mode_cli  # noqa: E402
+from tests.util import ROOT, fake_checkpoint, mode_cli  # noqa: E402
 
 L = 24  # model.max_seq_len: short, so documents span several windows
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", f"model.max_seq_len={L}", f"data.seq_len={L}"]
@@ -149,9 +149,8 @@ def _fake_run(tmp_path, preset, name="run"):
     """A run directory as the trainer leaves it (config.yaml + checkpoints/step_N/model.pt)."""
     model, cfg = tiny_model(preset, seed=1)
     run = tmp_path / name
-    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    fake_checkpoint(run, 3, model.state_dict())
     (run / "config.yaml").write_text(dump_config(cfg))
-    torch.save(model.state_dict(), run / "checkpoints" / "step_00000003" / "model.pt")
     return model, run
 
 
@@ -186,9 +185,8 @@ def test_export_with_a_hugging_face_tokenizer(tmp_path):
     tk.save(str(tmp_path / "tok" / "tokenizer.json"))
     cfg = load_config(ROOT / "configs/tiny/dense.yaml", SMALL + [f"data.tokenizer={tmp_path / 'tok'}"])
     model = build_model(cfg.model)
-    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    fake_checkpoint(tmp_path / "run", 1, model.state_dict())
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
-    torch.save(model.state_dict(), tmp_path / "run" / "checkpoints" / "step_00000001" / "model.pt")
     assert cli_main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     shutil.rmtree(tmp_path / "tok")  # the export carries its own copy
     _, tok, cfg2 = load_run(tmp_path / "out")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.malformed import all_cases, run_case
-from tests.util import PY, ROOT, TINY, env, free_port, mode_cli, scalars
+from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, mode_cli, scalars
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -117,7 +117,7 @@ def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
 def _fake_checkpoint(root: Path, step: int, seed: int) -> Path:
     from mode import checkpoint as ckpt
 
-    d = root / f"step_{step:08d}"
+    d = ckpt.step_dir(root, step)
     d.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     torch.save({"w": torch.randn(64, 64, generator=g)}, d / "mp_rank_00_model_states.pt")
@@ -161,6 +161,33 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, h
     assert ckpt.newest_verified(root, log=lines.append) == good
     assert len(lines) == 1 and "step_00000006" in lines[0] and "falling back" in lines[0], lines
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad"]
+
+
+def test_readers_of_weights_fall_back_without_touching_the_run(tmp_path):
+    # Bug caught: sampling / eval / export reading the layout with their own glob and regex, e.g. a
+    # `.tmp` or `.bad` directory or a checkpoint without weights taken for the newest one.
+    from mode import checkpoint as ckpt
+
+    root = ckpt.checkpoints_dir(tmp_path)
+    old = fake_checkpoint(tmp_path, 1, {"w": torch.zeros(2)})  # saved before manifests: accepted
+    good = _fake_checkpoint(root, 4, 1)
+    torch.save({"w": torch.ones(2)}, good / ckpt.MODEL)
+    ckpt.write_manifest(good, 4)
+    bad = _fake_checkpoint(root, 6, 2)
+    torch.save({"w": torch.ones(2)}, bad / ckpt.MODEL)
+    ckpt.write_manifest(bad, 6)
+    _damage(bad, "flipped")
+    _fake_checkpoint(root, 8, 3)  # verifies, but holds no model.pt (DeepSpeed's files only)
+    fake_checkpoint(tmp_path, 9, {"w": torch.ones(2)}).rename(root / "step_00000009.tmp")
+    before = sorted(p.name for p in root.iterdir())
+    lines = []
+    assert ckpt.newest_weights(tmp_path, log=lines.append) == good
+    assert len(lines) == 1 and "step_00000006" in lines[0] and "falling back" in lines[0], lines
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing moved aside: reading never changes a run
+    assert ckpt.latest_step(tmp_path) == 8 and ckpt.step_of(old) == 1  # the trainer's view: newest with a manifest
+    with pytest.raises(ValueError):
+        ckpt.step_of(root / "step_00000009.tmp")
+    assert ckpt.latest_step(tmp_path / "nowhere") is None
 
 
 def test_rotation_keeps_the_newest_verified_and_ignores_unfinished(tmp_path):
@@ -255,8 +282,7 @@ def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, ca
 
     cfg = load_config(CFG, [*TINY, "model.max_seq_len=64"])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
-    torch.save(build_model(cfg.model).state_dict(), tmp_path / "checkpoints" / "step_00000001" / "model.pt")
+    fake_checkpoint(tmp_path, 1, build_model(cfg.model).state_dict())
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "62"]) == 0
     capsys.readouterr()

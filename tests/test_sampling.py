@@ -17,7 +17,7 @@ from mode.mod import MoDBlock
 from mode.model import build_model
 from mode.plan import layer_plan, routes_at_sampling
 from tests.test_moe import ds_world  # noqa: F401 - the fixture: a gloo world of one
-from tests.util import ROOT, TINY, mode_cli, scalars
+from tests.util import ROOT, TINY, fake_checkpoint, mode_cli, scalars
 
 PRESETS = ["dense", "mod", "moe", "moe_dropping", "mode_staged", "mode_integrated"]
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=64",
@@ -279,8 +279,10 @@ def test_threshold_buffer_survives_an_exact_resume(tmp_path):
     mode_cli("train", "--config", "configs/tiny/mod.yaml", *over, f"run.dir={tmp_path / 'ref'}")
     mode_cli("train", "--config", "configs/tiny/mod.yaml", *over, "train.stop_at=3", f"run.dir={tmp_path / 'cut'}")
     mode_cli("train", "--config", "configs/tiny/mod.yaml", *over, f"run.dir={tmp_path / 'cut'}")
-    a = torch.load(tmp_path / "ref/checkpoints/step_00000006/model.pt", weights_only=True)
-    b = torch.load(tmp_path / "cut/checkpoints/step_00000006/model.pt", weights_only=True)
+    from mode import checkpoint as ckpt
+
+    a, b = (torch.load(ckpt.step_dir(ckpt.checkpoints_dir(tmp_path / run), 6) / ckpt.MODEL, weights_only=True)
+            for run in ("ref", "cut"))
     keys = [k for k in a if k.endswith("router.threshold")]
     assert keys and all(torch.equal(a[k], b[k]) for k in keys)
     assert all(int(a[k.replace("threshold", "threshold_updates")]) == 6 for k in keys)
@@ -332,8 +334,7 @@ def run_dir(tmp_path):
     cfg = Config(model=model.cfg)
     cfg.data.seq_len = 32
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
-    torch.save(model.state_dict(), tmp_path / "checkpoints" / "step_00000002" / "model.pt")
+    fake_checkpoint(tmp_path, 2, model.state_dict())
     return tmp_path, model
 
 

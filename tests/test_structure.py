@@ -132,3 +132,35 @@ def test_checkpoints_from_before_the_sublayer_split_still_load():
     fresh.load_state_dict(old)  # strict
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_only_mode_checkpoint_spells_the_checkpoint_layout():
+    # Bug caught: the layout (checkpoints/step_XXXXXXXX/, MANIFEST.json, model.pt) parsed by its own
+    # glob and regex in generate, by `name.split("_")` in compare and train: one of them drifts.
+    import re
+
+    spelled = re.compile(r"""["'/]step_[*{(\\\d"']|["']checkpoints["'/]|MANIFEST\.json|["']model\.pt["']|split\("_"\)""")
+    assert spelled.search('f"step_{step:08d}"') and spelled.search('x / "checkpoints"')  # the check sees them
+    assert not spelled.search('"perf/step_time_s"')
+    offenders = [f"{f.relative_to(ROOT)}:{i}" for pkg in ("mode", "analysis", "launch", "benchmarks")
+                 for f in sorted((ROOT / pkg).rglob("*.py")) if f != ROOT / "mode" / "checkpoint.py"
+                 for i, line in enumerate(f.read_text().splitlines(), 1) if spelled.search(line)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("module", ["mode/engine.py", "mode/moe/deepspeed.py", "mode/lifeline.py"])
+def test_importing_the_engine_changes_no_environment(module, monkeypatch):
+    # Bug caught: mode/engine.py set DS_ACCELERATOR (and with it every child process's accelerator)
+    # as a side effect of `import mode.engine`. A fresh copy of the module's top-level code runs
+    # here (its own imports are loaded already, so only its own code can change os.environ).
+    import importlib
+    import importlib.util
+    import os
+
+    importlib.import_module(module.removesuffix(".py").replace("/", "."))  # its imports (torch sets its own)
+    for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    spec = importlib.util.spec_from_file_location(f"fresh_{Path(module).stem}", ROOT / module)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert dict(os.environ) == before

@@ -60,3 +60,16 @@ def scalars(run_dir, tag: str) -> dict[int, float]:
                 if e.step not in out or e.wall_time >= out[e.step][0]:
                     out[e.step] = (e.wall_time, e.value)
     return {s: v for s, (_, v) in sorted(out.items())}
+
+
+def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
+    """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt only, no manifest:
+    as saved before manifests), placed where mode/checkpoint.py says; returns its directory."""
+    import torch
+
+    from mode import checkpoint as ckpt
+
+    d = ckpt.step_dir(ckpt.checkpoints_dir(run_dir), step)
+    d.mkdir(parents=True)
+    torch.save(state_dict, d / ckpt.MODEL)
+    return d
