@@ -251,3 +251,23 @@ def test_simple_evaluate_generate_until_stops_at_the_stop_sequence(tmp_path):
     want = {c: reference(TOK, f, [stop])[1] for c, f in zip(CONTEXTS, full)}
     assert resps == want
     assert sum(stop in t for t in texts) >= 2 and sum(fw.rows) < len(CONTEXTS) * n
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad options of the other run-reading commands: one line, exit 2 (like `mode generate`)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["eval", "--tasks", "x"], "required: --run"),
+    (["eval", "--run", "r", "--tasks", "x", "--batch-size", "z"], "--batch-size: invalid int value"),
+    (["export", "--run", "r"], "required: --out"),
+    (["export", "--run", "r", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_eval_and_export_bad_options_are_one_line(argv, needle, capsys):
+    from mode.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(cli_main(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
