@@ -157,7 +157,8 @@ class Scorer:
             n = max(1, min(int(kw.get("max_gen_toks", 256)), self.max_len))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             prompt = ([self.tok.eos_id] + self.encode(context))[-(self.max_len + 1 - n):]
-            key = (n, temperature, int(kw.get("seed", 0) or 0), i if temperature > 0 else -1)
+            sampled = temperature > 0  # a sampled request alone: its seed, not its batch, fixes its draws
+            key = (n, temperature, int(kw.get("seed", 0) or 0) if sampled else 0, i if sampled else -1)
             groups.setdefault(key, []).append((i, prompt, until))
         outs: list = [None] * len(requests)
         for (n, temperature, seed, _), rows in groups.items():
