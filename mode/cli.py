@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from mode.errors import OneLineParser as _OneLineParser  # bad options: one line, exit 2
+
 
 def _flops(argv) -> int:
     from mode.config import load_config
@@ -49,14 +51,6 @@ def _check_knob(cfg, knob: str) -> None:
     if tp not in (float, typing.Optional[float]):
         raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
                           "model.moe.capacity_factor)")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad options: one line, exit 2 (no usage block)."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _generate(argv) -> int:

@@ -50,9 +50,9 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    from mode.cli import _OneLineParser  # bad options: one line, exit 2
+    from mode.errors import OneLineParser  # bad options: one line, exit 2
 
-    p = _OneLineParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
+    p = OneLineParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
     p.add_argument("--out", required=True, help="new (or empty) directory to write")
     a = p.parse_args(argv)

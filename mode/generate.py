@@ -14,10 +14,15 @@ at its own position (rows of different prompt lengths advance together). A route
 block only on the rows whose token it selected. `prefill=False` feeds prompts one token per step
 instead (the reference path: rows in lockstep, position t at step t).
 
+Stopping: a row finishes at the EOS or as soon as its decoded new text holds one of its stop
+strings (checked on the host after every step); a finished row leaves the batch (its cache rows
+are dropped), and decoding ends when every row has finished.
+
 Python API:
     from mode.generate import load_run, generate
     model, tokenizer, cfg = load_run("runs/tiny/mod")      # newest complete checkpoint, eval mode
     texts = generate(model, tokenizer, ["def main("], max_new_tokens=64, temperature=0)  # greedy
+    texts = generate(model, tokenizer, ["def main("], 64, temperature=0, stop=["\\n\\n"])  # ends at a blank line
 """
 from __future__ import annotations
 

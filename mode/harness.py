@@ -283,9 +283,9 @@ def format_table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from mode.cli import _OneLineParser  # bad options: one line, exit 2
+    from mode.errors import OneLineParser  # bad options: one line, exit 2
 
-    p = _OneLineParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
+    p = OneLineParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
     p.add_argument("--run", required=True, help="run directory or `mode export` directory")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task/group names")
     p.add_argument("--include-path", help="directory of extra task YAMLs (e.g. configs/eval)")
