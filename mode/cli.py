@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from mode.errors import OneLineParser as _OneLineParser  # bad options: one line, exit 2
+
 
 def _flops(argv) -> int:
     from mode.config import load_config
@@ -51,14 +53,6 @@ def _check_knob(cfg, knob: str) -> None:
                           "model.moe.capacity_factor)")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad options: one line, exit 2 (no usage block)."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _generate(argv) -> int:
     from pathlib import Path
 
@@ -75,7 +69,8 @@ def _generate(argv) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this mass; 1 = all")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
-                   help="cut the completion before this string (repeatable); a row also stops at EOS")
+                   help="a row stops as soon as its text holds this string, cut before it (repeatable); "
+                        "a row also stops at EOS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt and line: prompt, completion, num_tokens")

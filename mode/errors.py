@@ -3,9 +3,18 @@
 command line, or MODE_DEBUG=1, shows the traceback instead."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad options: one line, exit 2 (no usage block)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def wants_debug(argv: list[str]) -> tuple[bool, list[str]]:

@@ -8,7 +8,6 @@ failure leaves no half-written DIR.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -51,7 +50,9 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
+    from mode.errors import OneLineParser  # bad options: one line, exit 2
+
+    p = OneLineParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
     p.add_argument("--out", required=True, help="new (or empty) directory to write")
     a = p.parse_args(argv)

@@ -14,10 +14,15 @@ at its own position (rows of different prompt lengths advance together). A route
 block only on the rows whose token it selected. `prefill=False` feeds prompts one token per step
 instead (the reference path: rows in lockstep, position t at step t).
 
+Stopping: a row finishes at the EOS or as soon as its decoded new text holds one of its stop
+strings (checked on the host after every step); a finished row leaves the batch (its cache rows
+are dropped), and decoding ends when every row has finished.
+
 Python API:
     from mode.generate import load_run, generate
     model, tokenizer, cfg = load_run("runs/tiny/mod")      # newest complete checkpoint, eval mode
     texts = generate(model, tokenizer, ["def main("], max_new_tokens=64, temperature=0)  # greedy
+    texts = generate(model, tokenizer, ["def main("], 64, temperature=0, stop=["\\n\\n"])  # ends at a blank line
 """
 from __future__ import annotations
 
@@ -61,19 +66,51 @@ def positions_needed(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
+def _stop_rows(stop, B: int) -> list[list[str]] | None:
+    """Per-row stop strings: one list of strings shared by every row, or one list (or string) per
+    row. None when no row has one."""
+    if not stop:
+        return None
+    if all(isinstance(s, str) for s in stop):
+        rows = [list(stop)] * B
+    else:
+        if len(stop) != B:
+            raise ValueError(f"stop: one list of strings per prompt ({B}), got {len(stop)}")
+        rows = [[s] if isinstance(s, str) else list(s or []) for s in stop]
+    if any(not isinstance(s, str) or not s for r in rows for s in r):
+        raise ValueError("stop strings must be non-empty strings")
+    return rows if any(rows) else None
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """`text` before the earliest occurrence of any of the `stop` strings (all of it if none)."""
+    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
+
+
 @torch.no_grad()
 def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, eos_id: int | None = None, vocab_limit: int | None = None,
-                 return_trace: bool = False, top_p: float = 1.0, prefill: bool = True):
-    """Sample `max_new_tokens` after each prompt (stopping a row at `eos_id`, not included).
-    temperature <= 0 is greedy; top_k 0 and top_p 1.0 keep the whole vocabulary; `vocab_limit`
-    masks logits of ids the tokenizer cannot decode. Returns the new ids per row (and a Trace)."""
+                 return_trace: bool = False, top_p: float = 1.0, prefill: bool = True,
+                 stop: list[str] | list[list[str]] | None = None, decode=None):
+    """Sample up to `max_new_tokens` after each prompt. temperature <= 0 is greedy; top_k 0 and
+    top_p 1.0 keep the whole vocabulary; `vocab_limit` masks logits of ids the tokenizer cannot
+    decode. Returns the new ids per row (and a Trace).
+
+    A row finishes at `eos_id` (not included) or as soon as `decode(its new ids)` contains one of
+    its `stop` strings (one list for all rows, or one list per row; ids through the token that
+    completed it are returned: cut the text with `cut_at_stop`). A stop string may span several
+    tokens or sit inside one. A finished row leaves the batch (its caches are dropped), so it costs
+    no further compute, and the loop ends when every row has finished. The other rows' tokens are
+    the same as without stopping, also when sampling (every step draws for all B rows)."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
     dev = next(model.parameters()).device
     B, n = len(prompt_ids), max_new_tokens
     if n <= 0:
         return ([[] for _ in prompt_ids], None) if return_trace else [[] for _ in prompt_ids]
+    stops = _stop_rows(stop, B)
+    if stops is not None and decode is None:
+        raise ValueError("stop strings need `decode` (token ids -> text), e.g. tokenizer.decode")
     lens = [len(p) for p in prompt_ids]
     P = max(lens)
     T = max(positions_needed(m, n) for m in lens)
@@ -84,65 +121,103 @@ def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, te
     for i, p in enumerate(prompt_ids):
         tokens_BT[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     rows_B = torch.arange(B, device=dev)
+    n_new_B = torch.full((B,), n, dtype=torch.long, device=dev)  # new tokens per row (a finished row: fewer)
     logits_BTV = None
     was_training = model.training
     model.eval()
     gen = torch.Generator(device=dev).manual_seed(seed)
 
-    def pick(logits_BV):
-        logits_BV = logits_BV.float()
+    def pick(logits_AV, act_A):
+        """Next token of the A active rows (original rows act_A)."""
+        logits_AV = logits_AV.float()
         if vocab_limit is not None:
-            logits_BV = logits_BV[:, :vocab_limit]
-        return _sample(logits_BV, temperature, top_k, gen, top_p)
+            logits_AV = logits_AV[:, :vocab_limit]
+        if temperature > 0 and act_A.shape[0] < B:
+            # Finished rows draw from a placeholder: the generator advances as with all B rows.
+            full_BV = logits_AV.new_zeros(B, logits_AV.shape[-1]).index_copy(0, act_A, logits_AV)
+            return _sample(full_BV, temperature, top_k, gen, top_p).index_select(0, act_A)
+        return _sample(logits_AV, temperature, top_k, gen, top_p)
 
-    def record(pos_BS, logits_BSV):
+    def record(act_A, pos_AS, logits_ASV):
         nonlocal logits_BTV
         if return_trace:
             if logits_BTV is None:
-                logits_BTV = torch.full((B, T, logits_BSV.shape[-1]), float("nan"), device=dev)
-            logits_BTV[rows_B[:, None], pos_BS] = logits_BSV.float()
+                logits_BTV = torch.full((B, T, logits_ASV.shape[-1]), float("nan"), device=dev)
+            logits_BTV[act_A[:, None], pos_AS] = logits_ASV.float()
 
-    done_B = torch.zeros(B, dtype=torch.bool, device=dev)
     try:
         if prefill:
             caches = model.new_caches(B, P + n - 1)
             valid_BP = None if min(lens) == P else torch.arange(P, device=dev)[None] < len_B[:, None]
             out = model(tokens_BT[:, :P], routing="causal", caches=caches, valid_BS=valid_BP)
-            record(torch.arange(P, device=dev).expand(B, P), out.logits)
-            last_B = len_B - 1
-            next_B = pick(out.logits[rows_B, last_B])
+            record(rows_B, torch.arange(P, device=dev).expand(B, P), out.logits)
+            # The A rows still being extended: original row ids (device, and host for stop strings).
+            act_A, len_A = rows_B, len_B
+            act = list(range(B))
+            new_ids = [[] for _ in range(B)]  # host copy of the new ids of rows with stop strings
+            next_A = pick(out.logits[rows_B, len_B - 1], act_A)
             for j in range(n):
-                pos_B = len_B + j  # where the sample goes; decoded as the next step's input
-                tokens_BT[rows_B, pos_B] = next_B
-                if eos_id is not None:
-                    done_B |= next_B == eos_id
-                if j == n - 1 or bool(done_B.all()):
+                pos_A = len_A + j  # where the sample goes; decoded as the next step's input
+                tokens_BT[act_A, pos_A] = next_A
+                if j == n - 1:
                     break
-                out = model(next_B[:, None], routing="causal", pos_BS=pos_B[:, None], caches=caches)
-                record(pos_B[:, None], out.logits)
-                next_B = pick(out.logits[:, 0])
+                if eos_id is not None or stops is not None:
+                    fin_A = next_A == eos_id if eos_id is not None else torch.zeros_like(act_A, dtype=torch.bool)
+                    if stops is not None:  # host: the text of a row's new tokens (one sync per step)
+                        tok_A = next_A.tolist()
+                        hit = []
+                        for a, r in enumerate(act):
+                            if stops[r]:
+                                new_ids[r].append(tok_A[a])
+                                text = decode(new_ids[r])
+                                if any(s in text for s in stops[r]):
+                                    hit.append(a)
+                        if hit:
+                            fin_A[hit] = True
+                    if bool(fin_A.any()):  # host sync: the batch shrinks
+                        n_new_B[act_A[fin_A]] = j + 1
+                        keep_A = (~fin_A).nonzero()[:, 0]
+                        if keep_A.numel() == 0:
+                            break
+                        act_A, len_A, next_A = act_A[keep_A], len_A[keep_A], next_A[keep_A]
+                        for c in caches:
+                            c.keep_rows(keep_A)
+                        act = act_A.tolist()
+                        pos_A = len_A + j
+                out = model(next_A[:, None], routing="causal", pos_BS=pos_A[:, None], caches=caches)
+                record(act_A, pos_A[:, None], out.logits)
+                next_A = pick(out.logits[:, 0], act_A)
         else:  # step by step: rows in lockstep, row i feeds its prompt token t while t < len_i
             caches = model.new_caches(B, T)
             for t in range(T):
                 pos_B1 = torch.full((B, 1), t, dtype=torch.long, device=dev)
                 out = model(tokens_BT[:, t : t + 1], routing="causal", pos_BS=pos_B1, caches=caches)
-                record(pos_B1, out.logits)
-                next_B = pick(out.logits[:, 0])
+                record(rows_B, pos_B1, out.logits)
+                next_B = pick(out.logits[:, 0], rows_B)
                 tokens_BT[:, t + 1] = torch.where(t + 1 < len_B, tokens_BT[:, t + 1], next_B)
     finally:
         model.train(was_training)
     out_ids = []
-    for i, p in enumerate(prompt_ids):
-        new = tokens_BT[i, len(p) : len(p) + n].tolist()
+    for i, (p, m) in enumerate(zip(prompt_ids, n_new_B.tolist())):
+        new = tokens_BT[i, len(p) : len(p) + m].tolist()
         if eos_id is not None and eos_id in new:
             new = new[: new.index(eos_id)]
+        if not prefill and stops is not None and stops[i]:  # the reference path runs to the end, then cuts
+            new = new[: _stop_len(decode, new, stops[i])]
         out_ids.append(new)
     if return_trace:
-        valid_BT = torch.arange(T, device=dev)[None] < (len_B + n - 1)[:, None]
+        valid_BT = torch.arange(T, device=dev)[None] < (len_B + n_new_B - 1)[:, None]
         if logits_BTV is not None:
             logits_BTV[~valid_BT] = float("nan")  # prefill padding, steps after a row's last token
         return out_ids, Trace(tokens_BT, logits_BTV, valid_BT)
     return out_ids
+
+
+def _stop_len(decode, ids: list[int], stop: list[str]) -> int:
+    """Tokens through the first one whose text completes a stop string (all of them if none)."""
+    if not any(s in decode(ids) for s in stop):
+        return len(ids)
+    return next(m for m in range(1, len(ids) + 1) if any(s in decode(ids[:m]) for s in stop))
 
 
 @dataclass
@@ -154,29 +229,19 @@ class Completion:
     """New tokens the completion took (through the one that completed a stop string)."""
 
 
-def _cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[str, int]:
-    """(text before the first stop string, tokens up to the one that completed it)."""
-    text = tokenizer.decode(ids)
-    if not stop or not any(s in text for s in stop):
-        return text, len(ids)
-    for n in range(1, len(ids) + 1):  # the shortest prefix holding a stop string
-        t = tokenizer.decode(ids[:n])
-        hits = [t.index(s) for s in stop if s in t]
-        if hits:
-            return t[: min(hits)], n
-    return text, len(ids)
-
-
 def complete(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, seed: int = 0, top_p: float = 1.0, stop: list[str] | None = None) -> list[Completion]:
     """Text in, Completions out. Each prompt is preceded by the tokenizer's EOS: training packs
     documents with EOS between them, so it marks 'a document starts here' (and lets an empty
-    prompt sample from scratch). A row stops at the EOS; `stop` strings cut the completion."""
+    prompt sample from scratch). A row stops at the EOS or as soon as its text holds one of the
+    `stop` strings; the completion is cut before it."""
     eos = tokenizer.eos_id
     ids = [[eos] + [int(i) for i in tokenizer.encode(p)] for p in prompts]
+    stop = list(stop or [])
     out = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed, eos_id=eos,
-                       vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size), top_p=top_p)
-    return [Completion(p, *_cut_at_stop(tokenizer, o, list(stop or []))) for p, o in zip(prompts, out)]
+                       vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size), top_p=top_p, stop=stop,
+                       decode=tokenizer.decode)
+    return [Completion(p, cut_at_stop(tokenizer.decode(o), stop), len(o)) for p, o in zip(prompts, out)]
 
 
 def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,

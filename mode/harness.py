@@ -19,12 +19,11 @@ API is re-pointed there):
   in the results). Rows are batched (right-padded) only when they cannot affect each other:
   causal routing and no capacity-limited expert layer (a shared expert capacity or a top-k over
   the sequence couples the tokens of a forward pass).
-- `generate_until` samples with `mode.generate.generate_ids` (KV cache, causal routing) and cuts
-  the text at the first stop sequence.
+- `generate_until` samples with `mode.generate.generate_ids` (KV cache, causal routing), which
+  ends each row as soon as its text holds one of its stop sequences; the text is cut before it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -74,6 +73,10 @@ class Scorer:
             raise ConfigError("--routing", routing, "causal or topk")
         self.model, self.tok, self.routing = model.eval(), tokenizer, routing
         self.batch_size = max(1, int(batch_size)) if rows_independent(model, routing) else 1
+        # Generation routes causally with inference_capacity_factor (null = dropless): rows independent.
+        moe = model.cfg.moe
+        coupled = resolve_layers(moe.layers, model.cfg.n_layers) and moe.inference_capacity_factor is not None
+        self.gen_batch_size = 1 if coupled else max(1, int(batch_size))
         self.max_len = model.cfg.max_seq_len
         self.device = next(model.parameters()).device
 
@@ -141,22 +144,32 @@ class Scorer:
         return [ll for ll, _ in self._score_streams([([self.tok.eos_id] + self.encode(d), 1) for d in docs])]
 
     def generate_until(self, requests: list[tuple[str, dict]]) -> list[str]:
-        from mode.generate import generate_ids
+        """Each request (context, gen_kwargs) sampled after EOS + context (cut from the left to fit
+        max_gen_toks), stopping as soon as the text holds a string of its `until`, cut before it.
+        Greedy requests with the same max_gen_toks share a batch (largest first) when rows cannot
+        affect each other at sampling time; a sampled request runs alone, so its seed alone fixes it."""
+        from mode.generate import cut_at_stop, generate_ids
 
-        outs = []
-        for context, kw in requests:  # one row at a time: simple, and rows never share expert capacity
+        groups: dict[tuple, list] = {}
+        for i, (context, kw) in enumerate(requests):
             until = kw.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [s for s in ([until] if isinstance(until, str) else until) if s]
             n = max(1, min(int(kw.get("max_gen_toks", 256)), self.max_len))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             prompt = ([self.tok.eos_id] + self.encode(context))[-(self.max_len + 1 - n):]
-            new = generate_ids(self.model, [prompt], n, temperature=temperature, seed=int(kw.get("seed", 0) or 0),
-                               eos_id=self.tok.eos_id,
-                               vocab_limit=min(self.tok.vocab_size, self.model.cfg.vocab_size))[0]
-            # The sampler has no stop-string hook: it runs max_gen_toks steps (or to EOS), then we cut.
-            text = self.tok.decode(new)
-            cut = min((text.find(s) for s in until if s and s in text), default=len(text))
-            outs.append(text[:cut])
+            sampled = temperature > 0  # a sampled request alone: its seed, not its batch, fixes its draws
+            key = (n, temperature, int(kw.get("seed", 0) or 0) if sampled else 0, i if sampled else -1)
+            groups.setdefault(key, []).append((i, prompt, until))
+        outs: list = [None] * len(requests)
+        for (n, temperature, seed, _), rows in groups.items():
+            rows.sort(key=lambda r: -len(r[1]))  # similar prompt lengths share a prefill
+            for b in range(0, len(rows), self.gen_batch_size):
+                chunk = rows[b : b + self.gen_batch_size]
+                new = generate_ids(self.model, [p for _, p, _ in chunk], n, temperature=temperature, seed=seed,
+                                   eos_id=self.tok.eos_id, vocab_limit=min(self.tok.vocab_size, self.model.cfg.vocab_size),
+                                   stop=[u for _, _, u in chunk], decode=self.tok.decode)
+                for (i, _, until), ids in zip(chunk, new):
+                    outs[i] = cut_at_stop(self.tok.decode(ids), until)
         return outs
 
 
@@ -270,7 +283,9 @@ def format_table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
+    from mode.errors import OneLineParser  # bad options: one line, exit 2
+
+    p = OneLineParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
     p.add_argument("--run", required=True, help="run directory or `mode export` directory")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task/group names")
     p.add_argument("--include-path", help="directory of extra task YAMLs (e.g. configs/eval)")

@@ -97,6 +97,13 @@ class KVCache:
             k, v, n = k.index_select(0, rows_N), v.index_select(0, rows_N), n.index_select(0, rows_N)
         return k, v, torch.arange(W, device=n.device)[None] < n.clamp(min=1)[:, None]
 
+    def keep_rows(self, rows_N: torch.Tensor) -> None:
+        """Shrink the batch to rows `rows_N` (in that order): generation drops the rows that have
+        finished, so later steps compute nothing for them. One copy of the kept rows."""
+        self.k_BHLE = self.k_BHLE.index_select(0, rows_N)
+        self.v_BHLE = self.v_BHLE.index_select(0, rows_N)
+        self.len_B = self.len_B.index_select(0, rows_N)
+
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, max_seq_len: int, rope_theta: float):
