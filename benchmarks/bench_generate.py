@@ -19,6 +19,12 @@ length of its cache: per processed token 8 D^2 (QKV, out) + 4 D L (scores and va
 of L keys) + the MLP (6 D F dense; 2 D X router + 6 D F per kept expert route); per token 2 D per
 depth router (the threshold needs no predictor) and the head 2 D V. Norms, rotary, softmax,
 gathers are not counted: they are what the measured speedup loses against the limit.
+
+`--runs RUN ...` instead compares trained MoD runs that differ in `model.mod.causal`
+(configs/experiments/mod_causal.yaml, issue #11): causal - top-k eval gap, processed fraction at
+sampling time vs capacity per routed layer, and decode tokens/s at `--batches` side by side:
+    python benchmarks/bench_generate.py --runs runs/mod_causal/*_seed0 --new 64 --batches 1,8 \
+        --threads 1 --reps 5 --dense-ref configs/tiny/dense.yaml
 """
 from __future__ import annotations
 
@@ -133,43 +139,106 @@ def step_by_step(model, prompt_BP):
     return time.perf_counter() - t0
 
 
+def _routed(model) -> list[MoDBlock]:
+    return [m for m in model.modules() if isinstance(m, MoDBlock)]
+
+
 @torch.no_grad()
-def compare_runs(run_dirs: list[str], new: int = 64) -> list[str]:
-    """Trained MoD runs that differ in model.mod.causal: eval gap (causal - top-k), the fraction
-    of tokens each routed layer processes at decode vs its capacity, and decode tokens/s at batch 1
-    (prompts: the first validation sequences' first 64 tokens)."""
+def sampling_fractions(model, cfg):
+    """On the run's own eval batches (cfg.train.eval_batches x micro_batch): eval/loss (top-k) and
+    eval/loss_causal recomputed, and per routed layer the fraction of tokens causal routing
+    processes and how often its decision agrees with top-k membership. Causal routing decides each
+    token from itself and earlier tokens, so these are exactly generation's decisions on this text."""
+    from mode.data import DataModule
+
+    layers = _routed(model)
+    loss, sel, agree, n = {"topk": 0.0, "causal": 0.0}, [0.0] * len(layers), [0.0] * len(layers), 0
+    for x, y in DataModule(cfg.data).val_batches(cfg.train.eval_batches, cfg.train.micro_batch_size):
+        loss["topk"] += model(x, y, routing="topk").loss.item()
+        member = [m.last_selected_BS.clone() for m in layers]
+        loss["causal"] += model(x, y, routing="causal").loss.item()
+        for i, m in enumerate(layers):
+            sel[i] += m.last_selected_BS.float().mean().item()
+            agree[i] += (m.last_selected_BS == member[i]).float().mean().item()
+        n += 1
+    return loss["topk"] / n, loss["causal"] / n, [f / n for f in sel], [a / n for a in agree]
+
+
+@torch.no_grad()
+def timed_decode(model, prompt_BP, new: int, stats: Stats | None = None) -> float:
+    """Prefill (not timed), then new - 1 greedy decode steps; returns the decode seconds."""
+    B, P = prompt_BP.shape
+    caches = model.new_caches(B, P + new)
+    nxt = model(prompt_BP, routing="causal", caches=caches).logits[:, -1].argmax(-1)
+    t0 = time.perf_counter()
+    for j in range(new - 1):
+        pos = torch.full((B, 1), P + j, dtype=torch.long)
+        nxt = model(nxt[:, None], routing="causal", pos_BS=pos, caches=caches).logits[:, 0].argmax(-1)
+        if stats is not None:
+            stats.add(caches)
+    return time.perf_counter() - t0
+
+
+def compare_runs(run_dirs: list[str], new: int = 64, batches: str = "1,8", reps: int = 3,
+                 dense_ref: str | None = None) -> list[str]:
+    """Trained MoD runs that differ in model.mod.causal (configs/experiments/mod_causal.yaml), side
+    by side in one process: the causal - top-k eval gap, the fraction of tokens each routed layer
+    processes at sampling time (on the eval text and during greedy decoding) vs its capacity, and
+    greedy decode tokens/s at each batch size (prompts: the first validation windows' first 64
+    tokens; rounds interleave the models, the median of `reps` rounds is reported). `dense_ref`: a
+    config whose untrained model decodes beside them as the speed reference (speed does not depend
+    on the weights of a dense model)."""
+    from mode.config import load_config
     from mode.data import DataModule
     from mode.generate import load_run
     from tests.util import scalars
 
-    rows = ["| run (causal) | eval/loss | eval/loss_causal | gap | capacity | decode processed (per routed layer) "
-            "| decode tok/s (batch 1) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    models, quality = {}, ["| run | causal rule | eval/loss | eval/loss_causal | gap | capacity "
+                           "| processed at sampling, eval text (per routed layer) | agreement with top-k "
+                           "| processed at decode | causal rule's acc (last train log) |",
+                           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    prompts_BP = None
     for d in run_dirs:
-        model, tok, cfg = load_run(d)
-        last = lambda tag: list(scalars(d, tag).values())[-1]  # noqa: E731
+        model, _, cfg = load_run(d)
+        name = os.path.basename(os.path.normpath(d))
+        models[name] = model
+        last = lambda tag: (list(scalars(d, tag).values()) or [float("nan")])[-1]  # noqa: E731
         ev, evc = last("eval/loss"), last("eval/loss_causal")
-        x, _ = next(DataModule(cfg.data).val_batches(1, 4))
-        stats, dt, n = Stats(model), 0.0, 0
-        for row in x[:, :64]:
-            prompt = row[None]
-            caches = model.new_caches(1, prompt.shape[1] + new)
-            out = model(prompt, routing="causal", caches=caches)
-            nxt = out.logits[:, -1].argmax(-1)
-            t0 = time.perf_counter()
-            for j in range(new - 1):
-                pos = torch.full((1, 1), prompt.shape[1] + j, dtype=torch.long)
-                out = model(nxt[:, None], routing="causal", pos_BS=pos, caches=caches)
-                nxt = out.logits[:, 0].argmax(-1)
-                stats.add(caches)
-            dt, n = dt + time.perf_counter() - t0, n + new - 1
-        rows.append(f"| {cfg.model.mod.causal} | {ev:.4f} | {evc:.4f} | {evc - ev:+.4f} | {cfg.model.mod.capacity} | "
-                    f"{stats.routed_fracs()} | {n / dt:,.1f} |")
-    return rows
+        re_ev, re_evc, sel, agree = sampling_fractions(model, cfg)
+        assert abs(re_ev - ev) < 1e-4 and abs(re_evc - evc) < 1e-4, (d, ev, re_ev, evc, re_evc)  # same eval
+        if prompts_BP is None:
+            prompts_BP = next(DataModule(cfg.data).val_batches(1, max(map(int, batches.split(",")))))[0][:, :64]
+        stats = Stats(model)
+        timed_decode(model, prompts_BP, new, stats)
+        dec = " ".join(f"{stats.f_attn[i] / stats.n:.3f}" for i, lp in enumerate(model.plan) if lp.depth_routed)
+        acc_tag = {"predictor": "predictor_acc", "threshold": "threshold_acc"}.get(cfg.model.mod.causal,
+                                                                                  "router_causal_acc")
+        acc = " ".join(f"{last(f'{m.tag}/{acc_tag}'):.1%}" for m in _routed(model))
+        quality.append(f"| {name} | {cfg.model.mod.causal} | {ev:.4f} | {evc:.4f} | {evc - ev:+.4f} | "
+                       f"{cfg.model.mod.capacity} | {' '.join(f'{f:.3f}' for f in sel)} | "
+                       f"{' '.join(f'{a:.1%}' for a in agree)} | {dec} | {acc} |")
+    if dense_ref:
+        torch.manual_seed(0)
+        models["dense (untrained, " + os.path.basename(dense_ref) + ")"] = build_model(load_config(dense_ref).model).eval()
+    ref = next(iter(models)) if not dense_ref else list(models)[-1]
+    times = {(B, n): [] for B in map(int, batches.split(",")) for n in models}
+    for _ in range(reps):  # rounds interleave the models so that load drifts hit them alike
+        for B in map(int, batches.split(",")):
+            for n, m in models.items():
+                timed_decode(m, prompts_BP[:B], 8)  # warm-up
+                times[(B, n)].append(timed_decode(m, prompts_BP[:B], new))
+    speed = [f"| batch | run | decode tok/s (median of {reps}) | vs {ref} |", "| --- | --- | --- | --- |"]
+    for B in map(int, batches.split(",")):
+        tps = {n: B * (new - 1) / sorted(times[(B, n)])[len(times[(B, n)]) // 2] for n in models}
+        speed += [f"| {B} | {n} | {t:,.0f} | {t / tps[ref]:.2f}x |" for n, t in tps.items()]
+    return quality + [""] + speed
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", nargs="+", help="compare trained runs (model.mod.causal variants) instead")
+    ap.add_argument("--dense-ref", help="with --runs: a config whose untrained model decodes beside them")
+    ap.add_argument("--reps", type=int, default=3, help="with --runs: interleaved timing rounds")
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -182,7 +251,11 @@ def main():
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
     if a.runs:
-        print("\n".join(compare_runs(a.runs)))
+        torch.set_num_threads(int(a.threads.split(",")[0]))
+        print(f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()}", flush=True)
+        print("\n".join(compare_runs(a.runs, a.new, a.batches, a.reps, a.dense_ref)))
+        print(f"load average after: {os.getloadavg()}")
         return
     g = torch.Generator().manual_seed(0)
     calib = torch.randint(0, 257, (8, a.prompt), generator=g)

@@ -70,3 +70,30 @@ def test_mod_variants_grid_is_flop_matched_and_each_variant_is_its_routing():
     sched = next(r for r in runs if r.variant == "schedule")
     assert [lp.block.capacity for lp in layer_plan(sched.cfg.model) if lp.block] == [0.5, 0.33, 0.165]
     assert {r.seed for r in runs} == {0, 1, 2}
+
+
+def test_mod_causal_grid_differs_from_the_quickstart_mod_only_in_the_causal_rule():
+    """configs/experiments/mod_causal.yaml (issue #11): the quickstart's MoD run (model and data)
+    three times, with model.mod.causal = aux_loss / predictor / threshold and nothing else changed."""
+    from mode.config import flatten
+    from mode.flops import count
+
+    qs = load_experiment(ROOT / "configs/experiments/quickstart.yaml")
+    qs_mod = next(r for r in expand(qs) if r.variant == "mod")
+    ref = flatten(load_config(qs_mod.config, qs_mod.overrides).to_dict())
+    exp = load_experiment(ROOT / "configs/experiments/mod_causal.yaml")
+    runs = expand(exp)
+    assert {r.variant for r in runs} == {"aux_loss", "predictor", "threshold"}
+    flops = {}
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides, world_size=world_size(exp))
+        got = flatten(r.cfg.to_dict())
+        diff = {k for k in ref if ref[k] != got[k] and not k.startswith("run.") and k != "train.seed"}
+        assert diff == {"model.mod.causal"} if r.variant != "predictor" else diff == set(), (r.variant, diff)
+        assert got["model.mod.causal"] == r.variant
+        flops[r.variant] = count(r.cfg)["forward_flops_per_token"]
+    check_matched_flops(exp, runs)
+    # the LM's FLOPs are equal; only the predictor's MLP (d -> d/2 -> 1 per routed layer) is added
+    d = ref["model.d_model"]
+    assert flops["aux_loss"] == flops["threshold"]
+    assert flops["predictor"] - flops["threshold"] == 3 * (2 * d * (d // 2) + 2 * (d // 2))
