@@ -302,6 +302,26 @@ def per_layer_processed(runs: list[RunLog]) -> dict[str, tuple[np.ndarray, str]]
     return out
 
 
+def split_decoupled(runs: list[RunLog], processed: dict[str, dict[int, float]], causal: dict[str, dict[int, float]],
+                    colors: dict[str, str]) -> None:
+    """In place: a variant with decoupled routers (`mod_attn/`, `mod_mlp/` tags) becomes two rows,
+    `<variant> (attn)` and `<variant> (mlp)`, each with its own router's processed fraction (top-k
+    and causal, from the logs). Its single row would show the tokens that got both sublayers (the
+    block contract's "engaged"), about the product of the two capacities, which reads as a bug."""
+    for sub in ("attn", "mlp"):
+        topk = per_layer_metric(runs, f"mod_{sub}", "processed_frac")
+        cz = per_layer_metric(runs, f"mod_{sub}", "causal_processed_frac")
+        for variant, frac in topk.items():
+            name = f"{variant} ({sub})"
+            layers = processed.get(variant, frac)
+            processed[name] = {i: frac.get(i, 1.0) for i in layers}
+            causal[name] = cz.get(variant, {})
+            colors[name] = colors.get(variant, "C0") if sub == "attn" else "C9"
+    for variant in {v.rsplit(" (", 1)[0] for v in processed if v.endswith((" (attn)", " (mlp)"))}:
+        processed.pop(variant, None)
+        causal.pop(variant, None)
+
+
 def per_layer_metric(runs: list[RunLog], prefix: str, name: str) -> dict[str, dict[int, float]]:
     """{variant: {layer: last value of <prefix>/layerN/<name>, mean over seeds}} where logged."""
     out = {}
@@ -472,6 +492,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     processed = per_layer_processed(runs)
     processed_data = {v: dict(enumerate(f.tolist())) for v, (f, _) in processed.items()}
     causal = per_layer_metric(runs, "mod", "causal_processed_frac")
+    split_decoupled(runs, processed_data, causal, colors)
     dropped_tok = per_layer_metric(runs, "moe", "dropped_tokens_frac")
     dropped_rt = per_layer_metric(runs, "moe", "dropped_routes_frac")
     noop = per_layer_metric(runs, "moe", "noop_frac")
@@ -481,8 +502,11 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     if processed:
         src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
                     "logs": "the training logs (MoD capacity × (1 − last logged no-op fraction))"}
+        split = sorted({v.rsplit(" (", 1)[0] for v in processed_data if v not in processed})
         lines += ["Fraction of tokens each block processes: "
-                  + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items()) + ". "
+                  + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items() if v not in split)
+                  + "".join(f"; `{v}` (decoupled routing) one row per router, attention and MLP, from the training "
+                            "logs" for v in split) + ". "
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
                   f"(step {_last_log_steps(runs)}, training batches), not the eval batch.", ""]
     fig = plot_per_layer([(processed_data, "fraction of tokens processed",

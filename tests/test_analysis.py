@@ -425,3 +425,23 @@ def test_isoflop_curves_are_the_runs_that_differ_only_in_size_and_steps():
     runs[1].config["optim"] = {"lr": 1e-3}
     names = isoflop.curve_names(runs)
     assert names["dense_m"] == "dense_m" and len({names[v] for v in ("dense_s", "dense_m")}) == 2
+
+
+def test_decoupled_routing_is_shown_per_router():
+    # Bug caught: a decoupled variant drawn as one bar per layer, the tokens that got both sublayers
+    # (~ attn capacity x MLP capacity), instead of each router's own fraction and causal fraction.
+    def run_of(variant: str, scalars: dict) -> tb.RunLog:
+        return tb.RunLog(Path(f"/nonexistent/{variant}"), variant, 0,
+                         scalars={k: [tb.Point(10, v, 0.0)] for k, v in scalars.items()})
+
+    runs = [run_of("dec", {"mod_attn/layer1/processed_frac": 0.4, "mod_attn/layer1/causal_processed_frac": 0.35,
+                           "mod_mlp/layer1/processed_frac": 0.25, "mod_mlp/layer1/causal_processed_frac": 0.2}),
+            run_of("mod", {"mod/layer1/causal_processed_frac": 0.3})]
+    processed = {"dec": {0: 1.0, 1: 0.1, 2: 1.0}, "mod": {0: 1.0, 1: 0.33, 2: 1.0}}
+    causal = report.per_layer_metric(runs, "mod", "causal_processed_frac")
+    colors = tb.variant_colors(["dec", "mod"])
+    report.split_decoupled(runs, processed, causal, colors)
+    assert processed == {"mod": {0: 1.0, 1: 0.33, 2: 1.0}, "dec (attn)": {0: 1.0, 1: 0.4, 2: 1.0},
+                         "dec (mlp)": {0: 1.0, 1: 0.25, 2: 1.0}}
+    assert causal == {"mod": {1: 0.3}, "dec (attn)": {1: 0.35}, "dec (mlp)": {1: 0.2}}
+    assert {"dec (attn)", "dec (mlp)"} <= set(colors)
