@@ -25,8 +25,9 @@ def test_end_to_end_tiny_run_learns(tmp_path):
 
 
 # One schedule for the resume and the one-vs-two-process checks: 8 sequences per step, as 2 micro-batches
-# of 4 in one process (gradient accumulation) or as 1 micro-batch of 4 on each of 2 ranks. Checkpoints at
-# 3, 6, 9 and 12; a resumed run stops at 6, so it restarts from a mid-run checkpoint.
+# of 4 in one process or 2 micro-batches of 2 on each of 2 ranks (the same 4 sequences per micro-step, and
+# the same 8 evaluated: eval reads eval_batches x micro_batch_size x ranks). Checkpoints at 3, 6, 9 and 12;
+# a resumed run stops at 6, so it restarts from a mid-run checkpoint.
 COMMON = [*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=3",
           "optim.warmup_steps=2"]
 
@@ -37,7 +38,7 @@ def one_process(*overrides):
 
 
 def two_processes(*overrides):
-    return deepspeed_train(2, CFG, *COMMON, "train.micro_batch_size=4", *overrides)
+    return deepspeed_train(2, CFG, *COMMON, "train.micro_batch_size=2", "train.grad_accum=2", *overrides)
 
 
 @pytest.fixture(scope="module")
