@@ -31,9 +31,6 @@ def test_sigkill_of_one_rank_ends_the_job_and_rerun_resumes_exactly(tmp_path):
     """Two simulated nodes training the expert-parallel model (all-to-all between the nodes)."""
     steps = 24
     run = [*COMMON, *EP, f"train.max_steps={steps}", "checkpoint.every=4", "checkpoint.keep=2"]
-    ref = tmp_path / "ref"
-    run_two_nodes(tmp_path, EP_CONFIG, *run, f"run.dir={ref}", log_prefix="ref")
-
     killed = tmp_path / "killed"
     port = free_port()
     cmd = [EP_CONFIG, *run, f"run.dir={killed}"]
@@ -58,8 +55,14 @@ def test_sigkill_of_one_rank_ends_the_job_and_rerun_resumes_exactly(tmp_path):
     assert processes_mentioning(f"run.dir={killed}") == []  # nothing left behind
     assert not (killed / "DONE").exists()
 
-    procs = start_two_nodes(tmp_path, *cmd, port=port, log_prefix="resume")  # the same command again
-    assert wait_all(procs, 300) == [0, 0], logs(tmp_path, "resume")
+    def rerun():
+        procs = start_two_nodes(tmp_path, *cmd, port=port, log_prefix="resume")  # the same command again
+        return wait_all(procs, 300)
+
+    ref = tmp_path / "ref"  # the uninterrupted run, trained beside the rerun (own hostfile and logs)
+    (tmp_path / "ref_launch").mkdir()
+    _, rcs = side_by_side(lambda: run_two_nodes(tmp_path / "ref_launch", EP_CONFIG, *run, f"run.dir={ref}"), rerun)
+    assert rcs == [0, 0], logs(tmp_path, "resume")
     resumed_at = [ln for ln in (tmp_path / "resume0.log").read_text().splitlines() if "resumed from" in ln]
     assert resumed_at and int(resumed_at[0].split("step_")[1][:8]) >= 8, logs(tmp_path, "resume")
     a, b = scalars(ref, "train/loss"), scalars(killed, "train/loss")
