@@ -40,3 +40,15 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def one_launcher(tmp_path_factory):
+    """The expert-parallel reference of the simulated multi-node runs (tests/test_launch.py EP_RUN),
+    trained once for test_launch.py and test_cluster.py: one DeepSpeed launcher starting both ranks."""
+    from tests.test_launch import EP_CONFIG, EP_RUN
+    from tests.util import deepspeed_train
+
+    d = tmp_path_factory.mktemp("one_launcher") / "run"
+    deepspeed_train(2, EP_CONFIG, *EP_RUN, f"run.dir={d}")
+    return d

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from analysis import isoflop, report, routing, tb
+from tests.util import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.eval_every=6", "train.log_every=2", "model.n_layers=2", "model.d_model=32", "model.d_ff=64",
@@ -42,7 +43,7 @@ VARIANT_OVERRIDES = {
 def train(config: str, run_dir: Path, max_steps: int, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "mode.cli", "train", "--config", config, f"run.dir={run_dir}",
            f"train.max_steps={max_steps}", *TINY, *overrides]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # two runs share 2 cores (side_by_side)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
@@ -50,17 +51,24 @@ def train(config: str, run_dir: Path, max_steps: int, *overrides: str) -> None:
 @pytest.fixture(scope="session")
 def runs_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
-    dense = root / "dense_seed0"
-    train("configs/tiny/dense.yaml", dense, 12)
-    shutil.rmtree(dense / "checkpoints" / "step_00000012")
-    (dense / "DONE").unlink()
-    train("configs/tiny/dense.yaml", dense, 16, "train.allow_schedule_change=true")  # a longer schedule, on purpose
-    train("configs/tiny/dense.yaml", root / "dense_seed1", 16, "train.seed=1")  # the same schedule as seed 0
-    for variant, overrides in VARIANT_OVERRIDES.items():
+
+    def dense_seed0():
+        dense = root / "dense_seed0"
+        train("configs/tiny/dense.yaml", dense, 12)
+        shutil.rmtree(dense / "checkpoints" / "step_00000012")
+        (dense / "DONE").unlink()
+        train("configs/tiny/dense.yaml", dense, 16, "train.allow_schedule_change=true")  # a longer schedule, on purpose
+
+    def variant_seed0(variant, overrides):
         if (ROOT / f"configs/tiny/{variant}.yaml").is_file():
             train(f"configs/tiny/{variant}.yaml", root / f"{variant}_seed0", 12)
         else:
             train("configs/tiny/dense.yaml", root / f"{variant}_seed0", 12, *overrides)
+
+    # independent runs, two at a time
+    seed1 = ("configs/tiny/dense.yaml", root / "dense_seed1", 16, "train.seed=1")  # seed 0's final schedule
+    side_by_side(dense_seed0, lambda: train(*seed1),
+                 *(lambda v=v, o=o: variant_seed0(v, o) for v, o in VARIANT_OVERRIDES.items()))
     return root
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mode import engine as eng
 from mode.config import load_config
 from mode.model import build_model
-from tests.util import mode_cli, scalars
+from tests.util import mode_cli, scalars, side_by_side
 
 
 def test_fp32_gemms_equal_a_float64_gemm_rounded_to_bf16():
@@ -57,9 +57,12 @@ def test_bf16_training_decreases_the_loss_like_fp32(tmp_path):
     at every logged step."""
     common = ["train.max_steps=100", "train.eval_every=100", "train.log_every=10", "checkpoint.every=0",
               "log.progress=false", "data.max_documents=60"]
-    for p in ("fp32", "bf16"):
+
+    def train(p):
         mode_cli("train", "--config", "configs/tiny/dense.yaml", *common, f"deepspeed.precision={p}",
-                 f"run.dir={tmp_path / p}", timeout=1800)
+                 f"run.dir={tmp_path / p}", timeout=1800, threads=1)
+
+    side_by_side(lambda: train("fp32"), lambda: train("bf16"))
     ev = {p: scalars(tmp_path / p, "eval/loss") for p in ("fp32", "bf16")}
     tr = {p: scalars(tmp_path / p, "train/loss") for p in ("fp32", "bf16")}
     assert ev["fp32"][100] < ev["fp32"][0] - 1.0 and ev["bf16"][100] < ev["bf16"][0] - 1.0, ev

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from mode.compare import SLURM_ACTIVE
-from tests.test_launch import EP, EP_CONFIG, assert_losses_equal
-from tests.util import PY, ROOT, TINY, deepspeed_train, env, free_port, scalars
+from tests.test_launch import EP_CONFIG, EP_RUN, STEPS, assert_losses_equal
+from tests.util import PY, ROOT, TINY, env, free_port, scalars
 
 CLUSTER = ROOT / "launch" / "dev" / "local_cluster.sh"
 CLUSTER_DIR = Path(os.environ.get("MODE_CLUSTER_DIR", "/tmp/mode-local-cluster"))
@@ -222,22 +222,18 @@ def write_hosts(path: Path, *hosts: str) -> Path:
 
 
 @pytest.mark.slow
-def test_pdsh_two_nodes_match_one_node(tmp_path, cluster):
+def test_pdsh_two_nodes_match_one_node(tmp_path, cluster, one_launcher):
     """One command on node 0 starts both nodes over ssh (no --master_addr: the first host is the
     master); DS_ACCELERATOR and OMP_NUM_THREADS reach the remote ranks through the env file, so the
-    expert-parallel losses are those of one launcher with two ranks, bit for bit."""
-    steps = 4
-    run_args = [*RUN, *EP, f"train.max_steps={steps}"]
-    ref = tmp_path / "one_node"
-    deepspeed_train(2, EP_CONFIG, *run_args, f"run.dir={ref}")
+    expert-parallel losses are those of one launcher with two ranks (tests/conftest.py), bit for bit."""
     hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
     run = tmp_path / "two_nodes"
     r = subprocess.run([PY, "-m", "launch.run", "--hostfile", hostfile, "--ssh_port", cluster["MODE_SSH_PORT"],
-                        "--master_port", str(free_port()), "--config", EP_CONFIG, *run_args, f"run.dir={run}"],
+                        "--master_port", str(free_port()), "--config", EP_CONFIG, *EP_RUN, f"run.dir={run}"],
                        cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "--master_addr=mode-node0" in r.stdout + r.stderr
-    assert_losses_equal(ref, run, steps)
+    assert_losses_equal(one_launcher, run, STEPS)
     assert not (run / "deepspeed_env").exists()
 
 

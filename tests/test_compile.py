@@ -9,6 +9,8 @@ to still be caught, so the detector is shown to see syncs.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -134,6 +136,32 @@ def test_block_compiles_without_graph_breaks_and_matches_eager(kind):
     assert gp_c.keys() == gp_e.keys() and len(gp_e) > 0
     for n in gp_e:
         torch.testing.assert_close(gp_c[n], gp_e[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_host_capacity_carries_the_mark_assume_constant_result_sets():
+    """experts.py marks _host_capacity itself (the decorator would import torch._dynamo in every
+    process): the mark must be exactly what torch.compiler.assume_constant_result sets."""
+    from mode.routing import experts
+
+    def f(n: int) -> int:
+        return n
+
+    marks = vars(torch.compiler.assume_constant_result(f))
+    assert marks and {k: getattr(experts._host_capacity, k, None) for k in marks} == marks
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_importing_the_trainer_and_the_launcher_leaves_dynamo_out():
+    """torch._dynamo costs ~3 s of CPU to import; processes that only validate a config, evaluate
+    or generate never compile (training imports it anyway: torch.optim does)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mode.train, mode.cli, mode.compare, mode.generate, launch.run; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout[-2000:] + r.stderr[-2000:]
 
 
 @pytest.mark.slow  # inductor builds C++ kernels: minutes on a loaded 2-core machine

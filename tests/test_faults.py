@@ -17,7 +17,7 @@ import yaml
 
 from tests.test_launch import (COMMON, EP, EP_CONFIG, kill_groups, logs, processes_mentioning, rank_pid, run_two_nodes,
                                start_two_nodes, wait_all)
-from tests.util import PY, ROOT, TINY, env, free_port, mode_cli, scalars
+from tests.util import PY, ROOT, TINY, env, free_port, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -31,9 +31,6 @@ def test_sigkill_of_one_rank_ends_the_job_and_rerun_resumes_exactly(tmp_path):
     """Two simulated nodes training the expert-parallel model (all-to-all between the nodes)."""
     steps = 24
     run = [*COMMON, *EP, f"train.max_steps={steps}", "checkpoint.every=4", "checkpoint.keep=2"]
-    ref = tmp_path / "ref"
-    run_two_nodes(tmp_path, EP_CONFIG, *run, f"run.dir={ref}", log_prefix="ref")
-
     killed = tmp_path / "killed"
     port = free_port()
     cmd = [EP_CONFIG, *run, f"run.dir={killed}"]
@@ -58,8 +55,14 @@ def test_sigkill_of_one_rank_ends_the_job_and_rerun_resumes_exactly(tmp_path):
     assert processes_mentioning(f"run.dir={killed}") == []  # nothing left behind
     assert not (killed / "DONE").exists()
 
-    procs = start_two_nodes(tmp_path, *cmd, port=port, log_prefix="resume")  # the same command again
-    assert wait_all(procs, 300) == [0, 0], logs(tmp_path, "resume")
+    def rerun():
+        procs = start_two_nodes(tmp_path, *cmd, port=port, log_prefix="resume")  # the same command again
+        return wait_all(procs, 300)
+
+    ref = tmp_path / "ref"  # the uninterrupted run, trained beside the rerun (own hostfile and logs)
+    (tmp_path / "ref_launch").mkdir()
+    _, rcs = side_by_side(lambda: run_two_nodes(tmp_path / "ref_launch", EP_CONFIG, *run, f"run.dir={ref}"), rerun)
+    assert rcs == [0, 0], logs(tmp_path, "resume")
     resumed_at = [ln for ln in (tmp_path / "resume0.log").read_text().splitlines() if "resumed from" in ln]
     assert resumed_at and int(resumed_at[0].split("step_")[1][:8]) >= 8, logs(tmp_path, "resume")
     a, b = scalars(ref, "train/loss"), scalars(killed, "train/loss")
@@ -120,16 +123,16 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def trainer_script(tmp_path: Path, args: dict, **kw) -> subprocess.Popen:
+def trainer_script(tmp_path: Path, args: dict, threads: int = 2, **kw) -> subprocess.Popen:
     script = tmp_path / "fault_script.py"
     script.write_text(SCRIPT)
-    e = dict(env(2), PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    e = dict(env(threads), PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.Popen([PY, str(script), json.dumps(args)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def run_script(tmp_path: Path, args: dict) -> dict:
-    p = trainer_script(tmp_path, args)
+def run_script(tmp_path: Path, args: dict, threads: int = 2) -> dict:
+    p = trainer_script(tmp_path, args, threads)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -145,26 +148,32 @@ def run_script(tmp_path: Path, args: dict) -> dict:
 def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path):
     run = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "checkpoint.every=2",
            "checkpoint.keep=3", "optim.warmup_steps=2"]
-    mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'ref'}")
-
     d = tmp_path / "run"
     ck = d / "checkpoints"
-    p = trainer_script(tmp_path, {"config": CFG, "overrides": [*run, f"run.dir={d}"], "slow_save_at": 6})
-    watchdog = threading.Timer(240, p.kill)  # never wait on a stuck child
-    watchdog.start()
-    try:
-        saving = any(line.strip() == "SAVING" for line in p.stdout)  # stops at SAVING (or EOF)
-        tmp_there = (ck / "step_00000006.tmp").is_dir()  # DeepSpeed's files of step 6 are being written
-        p.send_signal(signal.SIGKILL)
-        p.wait(30)
-    finally:
-        watchdog.cancel()
-        p.kill()
-        _, err = p.communicate()
+
+    def killed_while_saving():
+        p = trainer_script(tmp_path, {"config": CFG, "overrides": [*run, f"run.dir={d}"], "slow_save_at": 6},
+                           threads=1)  # one thread in all three runs: the losses are compared bit for bit
+        watchdog = threading.Timer(240, p.kill)  # never wait on a stuck child
+        watchdog.start()
+        try:
+            saving = any(line.strip() == "SAVING" for line in p.stdout)  # stops at SAVING (or EOF)
+            tmp_there = (ck / "step_00000006.tmp").is_dir()  # DeepSpeed's files of step 6 are being written
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+        finally:
+            watchdog.cancel()
+            p.kill()
+            _, err = p.communicate()
+        return saving, tmp_there, err
+
+    # the uninterrupted reference trains beside it
+    _, (saving, tmp_there, err) = side_by_side(
+        lambda: mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'ref'}", threads=1), killed_while_saving)
     assert saving and tmp_there, err[-3000:]
     assert sorted(x.name for x in ck.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.tmp"]
 
-    r = mode_cli("train", "--config", CFG, *run, f"run.dir={d}")  # the same run again
+    r = mode_cli("train", "--config", CFG, *run, f"run.dir={d}", threads=1)  # the same run again
     assert f"resumed from {ck / 'step_00000004'} at step 4" in r.stderr, r.stderr[-3000:]
     assert (d / "DONE").exists() and not list(ck.glob("*.tmp"))  # the partial save was discarded
     a, b = scalars(tmp_path / "ref", "train/loss"), scalars(d, "train/loss")
@@ -178,12 +187,33 @@ NF = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "ch
       "optim.warmup_steps=2"]
 
 
+# The four runs below are independent: a module fixture starts them two at a time, side by side.
+NF_CASES = {
+    "skip_zero0": {"nan_forward": [3], "nan_grad": [6], "overrides": ["deepspeed.zero_stage=0"]},
+    "skip_zero2": {"nan_forward": [3], "nan_grad": [6], "overrides": ["deepspeed.zero_stage=2"]},
+    "stop": {"nan_grad": [3], "overrides": ["train.nonfinite=stop"]},
+    "too_many": {"nan_forward": [3, 4, 5], "overrides": ["train.max_consecutive_nonfinite=3"]},
+}
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tmp_path_factory):
+    """{case: (run dir, the script's RESULT)} for NF_CASES."""
+    root = tmp_path_factory.mktemp("nonfinite")
+
+    def case(name):
+        d = root / name
+        d.mkdir()
+        args = dict(NF_CASES[name], config=CFG, overrides=[*NF, *NF_CASES[name]["overrides"], f"run.dir={d / 'run'}"])
+        return d / "run", run_script(d, args, threads=1)
+
+    return dict(zip(NF_CASES, side_by_side(*(lambda n=n: case(n) for n in NF_CASES))))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 2])
-def test_nonfinite_steps_are_skipped_and_counted(tmp_path, zero):
-    d = tmp_path / "run"
-    res = run_script(tmp_path, {"config": CFG, "nan_forward": [3], "nan_grad": [6],
-                                "overrides": [*NF, f"deepspeed.zero_stage={zero}", f"run.dir={d}"]})
+def test_nonfinite_steps_are_skipped_and_counted(nonfinite, zero):
+    d, res = nonfinite[f"skip_zero{zero}"]
     assert res["error"] is None and res["step"] == 8 and res["finite"], res
     change = {int(k): v for k, v in res["change"].items()}
     assert change[3] == 0.0 and change[6] == 0.0, change  # the bad steps left every weight as it was
@@ -197,22 +227,19 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, zero):
 
 
 @pytest.mark.slow
-def test_nonfinite_stop_policy_names_step_and_layers(tmp_path):
-    res = run_script(tmp_path, {"config": CFG, "nan_grad": [3],
-                                "overrides": [*NF, "train.nonfinite=stop", f"run.dir={tmp_path / 'run'}"]})
+def test_nonfinite_stop_policy_names_step_and_layers(nonfinite):
+    d, res = nonfinite["stop"]
     msg = res["error"]
     assert msg and "at step 3" in msg and "policy stop" in msg, res
     assert "blocks.0.mlp.mlp.w_in.weight" in msg.split("weight norms")[0]  # the layer whose gradient was bad
     assert "weight norms: embed.weight: |w|=" in msg and "blocks.1.mlp.mlp.w_out.weight: |w|=" in msg
     assert res["step"] == 3 and res["finite"] and res["change"]["3"] == 0.0
-    assert not (tmp_path / "run" / "DONE").exists()
+    assert not (d / "DONE").exists()
 
 
 @pytest.mark.slow
-def test_nonfinite_too_many_in_a_row_stops(tmp_path):
-    res = run_script(tmp_path, {"config": CFG, "nan_forward": [3, 4, 5],
-                                "overrides": [*NF, "train.max_consecutive_nonfinite=3",
-                                              f"run.dir={tmp_path / 'run'}"]})
+def test_nonfinite_too_many_in_a_row_stops(nonfinite):
+    _, res = nonfinite["too_many"]
     assert res["error"] and "at step 5 (3 in a row, policy skip)" in res["error"], res
     assert res["finite"] and [res["change"][s] for s in ("3", "4", "5")] == [0.0, 0.0, 0.0]
     assert res["skipped"] == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import PY, ROOT, TINY, deepspeed_train, env, free_port, scalars
+from tests.util import PY, ROOT, TINY, env, free_port, scalars
 
 # The expert-parallel model: DeepSpeed MoE in every other block, experts split over 2 ranks.
 EP_CONFIG = "configs/tiny/moe.yaml"
@@ -190,12 +190,7 @@ STEPS = 4
 EP_RUN = [*COMMON, *EP, f"train.max_steps={STEPS}"]
 
 
-@pytest.fixture(scope="module")
-def one_launcher(tmp_path_factory):
-    """The reference: one DeepSpeed launcher starting both ranks."""
-    d = tmp_path_factory.mktemp("one_launcher") / "run"
-    deepspeed_train(2, EP_CONFIG, *EP_RUN, f"run.dir={d}")
-    return d
+# The reference, `one_launcher` (tests/conftest.py): one DeepSpeed launcher starting both ranks of EP_RUN.
 
 
 @pytest.mark.slow

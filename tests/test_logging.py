@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.util import ROOT, TINY, deepspeed_train, mode_cli, scalars
+from tests.util import ROOT, TINY, deepspeed_train, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 STEPS = ["train.max_steps=6", "train.log_every=2", "train.eval_every=3", "optim.warmup_steps=2"]
@@ -146,8 +147,9 @@ def test_activation_checkpointing_same_numbers_less_saved_memory(variant):
 @pytest.mark.slow
 def test_activation_checkpointing_trains_identically(tmp_path):
     common = [*TINY, *STEPS, "model.mod.layers=every_other"]
-    mode_cli("train", "--config", CFG, *common, f"run.dir={tmp_path / 'plain'}")
-    mode_cli("train", "--config", CFG, *common, "train.activation_checkpointing=block", f"run.dir={tmp_path / 'ac'}")
+    side_by_side(lambda: mode_cli("train", "--config", CFG, *common, f"run.dir={tmp_path / 'plain'}", threads=1),
+                 lambda: mode_cli("train", "--config", CFG, *common, "train.activation_checkpointing=block",
+                                  f"run.dir={tmp_path / 'ac'}", threads=1))
     a, b = scalars(tmp_path / "plain", "train/loss"), scalars(tmp_path / "ac", "train/loss")
     assert list(a) == [2, 4, 6] and a == b  # fp32: bit for bit
     assert scalars(tmp_path / "plain", "eval/loss") == scalars(tmp_path / "ac", "eval/loss")
@@ -229,14 +231,27 @@ def test_console_without_a_terminal(two_proc_run):
 # Honest resumes.
 
 
+@pytest.fixture(scope="module")
+def stopped_at_2(tmp_path_factory):
+    """A single-process run stopped at step 2 of 6 and what it printed; tests resume copies of it."""
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    r = mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}", "train.stop_at=2")
+    return run, r.stdout
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, copy_function=shutil.copy2)  # copy2: modification times too (snapshot)
+    return dst
+
+
 @pytest.mark.slow
-def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path):
-    run = tmp_path / "run"
+def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, stopped_at_2):
+    src, stdout = stopped_at_2
+    run = copy_run(src, tmp_path / "run")
     args = ["--config", CFG, *TINY, *STEPS, f"run.dir={run}"]
-    r = mode_cli("train", *args, "train.stop_at=2")
-    m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", r.stdout, flags=re.M)
-    assert m and "train.stop_at" not in m.group(1), r.stdout
-    assert f"run.dir={run}" in m.group(1)
+    m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", stdout, flags=re.M)
+    assert m and "train.stop_at" not in m.group(1), stdout
+    assert f"run.dir={src}" in m.group(1)
 
     before = snapshot(run)
     r = mode_cli("train", *args, "train.max_steps=12", check=False)
@@ -276,10 +291,9 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_at_another_world_size_is_refused(tmp_path):
-    run = tmp_path / "run"
+def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
     args = [*TINY, *STEPS, f"run.dir={run}"]
-    mode_cli("train", "--config", CFG, *args, "train.stop_at=2")
     before = snapshot(run)
     r = deepspeed_train(2, CFG, *args, check=False)
     assert r.returncode != 0

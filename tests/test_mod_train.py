@@ -1,6 +1,6 @@
 """Mixture-of-Depths trained on the embedded default data through the real trainer."""
 import pytest
-from tests.util import mode_cli, scalars
+from tests.util import mode_cli, scalars, side_by_side
 
 # Every block routed at 12.5%, so which tokens get processed decides most of the model; the
 # sigmoid gate keeps routed blocks active from the first step (with the identity gate r starts
@@ -12,9 +12,11 @@ SETUP = ["model.d_model=64", "model.d_ff=256", "data.seq_len=64", "train.max_ste
 
 @pytest.mark.slow
 def test_learned_routing_beats_stochastic_routing(tmp_path):
-    for routing in ("learned", "stochastic"):
+    def train(routing):
         mode_cli("train", "--config", "configs/tiny/mod.yaml", *SETUP, f"model.mod.routing={routing}",
-                 f"run.dir={tmp_path / routing}")
+                 f"run.dir={tmp_path / routing}", threads=1)
+
+    side_by_side(lambda: train("learned"), lambda: train("stochastic"))
     learned, stochastic = (scalars(tmp_path / r, "eval/loss")[150] for r in ("learned", "stochastic"))
     assert learned < stochastic - 0.03, (learned, stochastic)
     # the autoregressive (causal-routing) evaluation and the per-layer routing metrics are logged

@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 
-from tests.util import TINY, deepspeed_train, scalars
+from tests.util import TINY, deepspeed_train, scalars, side_by_side
 
 CFG = "configs/tiny/moe.yaml"
 MOE = [*TINY, "model.moe.backend=deepspeed", "model.moe.num_experts=4", "model.moe.capacity_factor=1.0",
@@ -11,28 +11,34 @@ MOE = [*TINY, "model.moe.backend=deepspeed", "model.moe.num_experts=4", "model.m
        "train.micro_batch_size=2"]
 
 
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    """8 steps with the experts split over 2 ranks: the reference of both tests below."""
+    d = tmp_path_factory.mktemp("moe") / "ep2"
+    deepspeed_train(2, CFG, *MOE, "train.max_steps=8", "model.moe.ep_size=2", f"run.dir={d}")
+    return d
+
+
 @pytest.mark.slow
-def test_expert_parallel_matches_ep1(tmp_path):
-    deepspeed_train(2, CFG, *MOE, "train.max_steps=6", "model.moe.ep_size=1", f"run.dir={tmp_path / 'ep1'}")
-    deepspeed_train(2, CFG, *MOE, "train.max_steps=6", "model.moe.ep_size=2", f"run.dir={tmp_path / 'ep2'}")
-    a, b = scalars(tmp_path / "ep1", "train/loss"), scalars(tmp_path / "ep2", "train/loss")
-    assert list(a) == list(b) == list(range(1, 7))
+def test_expert_parallel_matches_ep1(tmp_path, ep2):
+    deepspeed_train(2, CFG, *MOE, "train.max_steps=8", "model.moe.ep_size=1", f"run.dir={tmp_path / 'ep1'}")
+    a, b = scalars(tmp_path / "ep1", "train/loss"), scalars(ep2, "train/loss")
+    assert list(a) == list(b) == list(range(1, 9))
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-4), (s, a[s], b[s])
     # drops are visible on the deepspeed backend too, and agree across layouts
     da = scalars(tmp_path / "ep1", "moe/layer1/dropped_tokens_frac")
-    db = scalars(tmp_path / "ep2", "moe/layer1/dropped_tokens_frac")
-    assert da and db[6] == pytest.approx(da[6], abs=1e-6)
+    db = scalars(ep2, "moe/layer1/dropped_tokens_frac")
+    assert da and db[8] == pytest.approx(da[8], abs=1e-6)
 
 
 @pytest.mark.slow
-def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path):
+def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path, ep2):
     run = [*MOE, "train.max_steps=8", "model.moe.ep_size=2"]
-    deepspeed_train(2, CFG, *run, f"run.dir={tmp_path / 'straight'}")
     deepspeed_train(2, CFG, *run, "train.stop_at=4", f"run.dir={tmp_path / 'resumed'}")
     shutil.copytree(tmp_path / "resumed", tmp_path / "other")  # the same first half, resumed at ep_size 1 below
     deepspeed_train(2, CFG, *run, f"run.dir={tmp_path / 'resumed'}")
-    straight = scalars(tmp_path / "straight", "train/loss")
+    straight = scalars(ep2, "train/loss")
     assert straight == scalars(tmp_path / "resumed", "train/loss")  # bit for bit at the same ep_size
 
     r = deepspeed_train(2, CFG, *[o for o in run if "ep_size" not in o], "model.moe.ep_size=1",
@@ -52,10 +58,11 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     common = [*TINY, "model.n_layers=2", "model.moe.backend=deepspeed", "model.moe.num_experts=4",
               "model.moe.num_noop_experts=" + ("4" if preset == "mode_integrated" else "0"),
               "train.max_steps=4", "train.log_every=1", "train.eval_every=4", "log.routing_dump=true"]
-    mode_cli("train", "--config", f"configs/tiny/{preset}.yaml", *common, "train.micro_batch_size=4",
-             "model.moe.ep_size=1", f"run.dir={tmp_path / 'one'}")
-    deepspeed_train(2, f"configs/tiny/{preset}.yaml", *common, "train.micro_batch_size=2", "model.moe.ep_size=2",
-                    f"run.dir={tmp_path / 'ep2'}")
+    side_by_side(lambda: mode_cli("train", "--config", f"configs/tiny/{preset}.yaml", *common,
+                                  "train.micro_batch_size=4", "model.moe.ep_size=1", f"run.dir={tmp_path / 'one'}",
+                                  threads=1),
+                 lambda: deepspeed_train(2, f"configs/tiny/{preset}.yaml", *common, "train.micro_batch_size=2",
+                                         "model.moe.ep_size=2", f"run.dir={tmp_path / 'ep2'}"))
     a, b = scalars(tmp_path / "one", "train/loss"), scalars(tmp_path / "ep2", "train/loss")
     assert list(a) == list(b) == [1, 2, 3, 4]
     for s in a:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.malformed import all_cases, run_case
-from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, mode_cli, scalars
+from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -374,23 +375,36 @@ CKPT_RUN = [*TINY, "train.max_steps=8", "train.log_every=3", "train.eval_every=0
             "checkpoint.keep=3", "optim.warmup_steps=2"]
 
 
+def train_1t(*args, **kw):
+    """mode train with one thread: runs compared bit for bit must sum in the same order."""
+    return mode_cli("train", "--config", CFG, *args, threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_6(tmp_path_factory):
+    """An uninterrupted run and the same run stopped at step 6 (checkpoints 2, 4, 6), side by side."""
+    d = tmp_path_factory.mktemp("fallback")
+    side_by_side(lambda: train_1t(*CKPT_RUN, f"run.dir={d / 'ref'}"),
+                 lambda: train_1t(*CKPT_RUN, "train.stop_at=6", f"run.dir={d / 'stopped'}"))
+    return d
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["flipped", "truncated"])
-def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how):
+def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how, stopped_at_6):
     """The newest checkpoint is damaged: the run says so in one line, resumes from the previous one,
     and its logged losses (log_every=3 does not divide checkpoint.every=2) equal an uninterrupted run's."""
-    mode_cli("train", "--config", CFG, *CKPT_RUN, f"run.dir={tmp_path / 'ref'}")
     d = tmp_path / "run"
-    mode_cli("train", "--config", CFG, *CKPT_RUN, "train.stop_at=6", f"run.dir={d}")
+    shutil.copytree(stopped_at_6 / "stopped", d)
     ck = d / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
     _damage(ck / "step_00000006", how)
 
-    r = mode_cli("train", "--config", CFG, *CKPT_RUN, f"run.dir={d}")
+    r = train_1t(*CKPT_RUN, f"run.dir={d}")
     complaints = [ln for ln in one_line(r.stderr) if "step_00000006" in ln]
     assert len(complaints) == 1 and "unusable" in complaints[0], r.stderr
     assert f"resumed from {ck / 'step_00000004'} at step 4" in r.stderr
-    a, b = scalars(tmp_path / "ref", "train/loss"), scalars(d, "train/loss")
+    a, b = scalars(stopped_at_6 / "ref", "train/loss"), scalars(d, "train/loss")
     assert list(a) == [3, 6, 8] and a == b, (a, b)  # bit for bit, the step-6 mean included
     assert (ck / "step_00000006.bad").is_dir() and (d / "DONE").exists()
 
@@ -399,9 +413,9 @@ def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how):
 def test_log_series_is_exact_across_a_resume_at_any_cadence(tmp_path):
     run = [*TINY, "train.max_steps=10", "train.log_every=4", "train.eval_every=0", "checkpoint.every=3",
            "optim.warmup_steps=2"]
-    mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'ref'}")
-    mode_cli("train", "--config", CFG, *run, "train.stop_at=7", f"run.dir={tmp_path / 'run'}")
-    mode_cli("train", "--config", CFG, *run, f"run.dir={tmp_path / 'run'}")
+    side_by_side(lambda: train_1t(*run, f"run.dir={tmp_path / 'ref'}"),
+                 lambda: train_1t(*run, "train.stop_at=7", f"run.dir={tmp_path / 'run'}"))
+    train_1t(*run, f"run.dir={tmp_path / 'run'}")
     for tag in ("train/loss", "train/aux_loss"):
         a, b = scalars(tmp_path / "ref", tag), scalars(tmp_path / "run", tag)
         assert list(a) == [4, 8, 10] and a == b, (tag, a, b)

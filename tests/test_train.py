@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tests.util import TINY, deepspeed_train, mode_cli, scalars
+from tests.util import TINY, deepspeed_train, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -24,43 +24,71 @@ def test_end_to_end_tiny_run_learns(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000060"
 
 
-def _resume_check(tmp_path, launch):
-    # a fresh data.prepared_dir: the first launch prepares the data (with 2 ranks: one prepares, one waits)
-    common = [*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=3",
-              "optim.warmup_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"]
-    launch(*common, f"run.dir={tmp_path / 'straight'}")
-    launch(*common, "train.stop_at=6", f"run.dir={tmp_path / 'resumed'}")
-    assert not (tmp_path / "resumed" / "DONE").exists()
-    launch(*common, f"run.dir={tmp_path / 'resumed'}")
-    a, b = scalars(tmp_path / "straight", "train/loss"), scalars(tmp_path / "resumed", "train/loss")
+# One schedule for the resume and the one-vs-two-process checks: 8 sequences per step, as 2 micro-batches
+# of 4 in one process or 2 micro-batches of 2 on each of 2 ranks (the same 4 sequences per micro-step, and
+# the same 8 evaluated: eval reads eval_batches x micro_batch_size x ranks). Checkpoints at 3, 6, 9 and 12;
+# a resumed run stops at 6, so it restarts from a mid-run checkpoint.
+COMMON = [*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=3",
+          "optim.warmup_steps=2"]
+
+
+def one_process(*overrides):
+    return mode_cli("train", "--config", CFG, *COMMON, "train.micro_batch_size=4", "train.grad_accum=2", *overrides,
+                    threads=1)  # one thread in every launch here: bit-for-bit comparisons need the same sums
+
+
+def two_processes(*overrides):
+    return deepspeed_train(2, CFG, *COMMON, "train.micro_batch_size=2", "train.grad_accum=2", *overrides)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted runs, one process and two, side by side; each prepares its own fresh
+    data.prepared_dir (with 2 ranks: one prepares, one waits), which later launches reuse."""
+    d = tmp_path_factory.mktemp("straight")
+    side_by_side(lambda: one_process(f"data.prepared_dir={d / 'prepared_one'}", f"run.dir={d / 'one'}"),
+                 lambda: two_processes(f"data.prepared_dir={d / 'prepared_two'}", f"run.dir={d / 'two'}"))
+    return d
+
+
+def _resume_check(straight, resumed, launch, prepared):
+    launch(f"data.prepared_dir={prepared}", "train.stop_at=6", f"run.dir={resumed}")
+    assert not (resumed / "DONE").exists()
+    launch(f"data.prepared_dir={prepared}", f"run.dir={resumed}")
+    a, b = scalars(straight, "train/loss"), scalars(resumed, "train/loss")
     assert list(a) == list(range(1, 13)) and a == b  # bit for bit
-    assert scalars(tmp_path / "straight", "eval/loss") == scalars(tmp_path / "resumed", "eval/loss")
-    assert scalars(tmp_path / "straight", "eval/bpb") == scalars(tmp_path / "resumed", "eval/bpb")
+    assert scalars(straight, "eval/loss") == scalars(resumed, "eval/loss")
+    assert scalars(straight, "eval/bpb") == scalars(resumed, "eval/bpb")
 
 
 @pytest.mark.slow
-def test_resume_is_exact_single_process(tmp_path):
-    _resume_check(tmp_path, lambda *o: mode_cli("train", "--config", CFG, *o, "train.micro_batch_size=4",
-                                                "train.grad_accum=2"))
+def test_resume_is_exact_single_process(tmp_path, straight):
+    _resume_check(straight / "one", tmp_path / "resumed", one_process, straight / "prepared_one")
 
 
 @pytest.mark.slow
-def test_resume_is_exact_two_processes(tmp_path):
-    _resume_check(tmp_path, lambda *o: deepspeed_train(2, CFG, *o, "train.micro_batch_size=2"))
+def test_resume_is_exact_two_processes(tmp_path, straight):
+    _resume_check(straight / "two", tmp_path / "resumed", two_processes, straight / "prepared_two")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 2])
-def test_two_processes_match_one_process(tmp_path, zero):
-    common = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=4", f"deepspeed.zero_stage={zero}"]
-    mode_cli("train", "--config", CFG, *common, "train.micro_batch_size=4", f"run.dir={tmp_path / 'one'}")
-    deepspeed_train(2, CFG, *common, "train.micro_batch_size=2", f"run.dir={tmp_path / 'two'}")
-    a, b = scalars(tmp_path / "one", "train/loss"), scalars(tmp_path / "two", "train/loss")
-    assert list(a) == list(b) == list(range(1, 9))
+def test_two_processes_match_one_process(tmp_path, straight, zero):
+    """Against the one-process run (ZeRO 0, gradient accumulation): two ranks with ZeRO 0 are the
+    module's straight run, ZeRO 2 (partitioned gradients and optimizer state) is its own run."""
+    two = straight / "two"
+    if zero:
+        two = tmp_path / "two"
+        two_processes(f"deepspeed.zero_stage={zero}", f"data.prepared_dir={straight / 'prepared_two'}",
+                      f"run.dir={two}")
+    a, b = scalars(straight / "one", "train/loss"), scalars(two, "train/loss")
+    assert list(a) == list(b) == list(range(1, 13))
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-5), (s, a[s], b[s])
-    assert scalars(tmp_path / "two", "eval/loss")[8] == pytest.approx(scalars(tmp_path / "one", "eval/loss")[8],
-                                                                        rel=1e-4)
+    ea, eb = scalars(straight / "one", "eval/loss"), scalars(two, "eval/loss")
+    assert list(ea) == list(eb) == [0, 6, 12]
+    for s in ea:
+        assert eb[s] == pytest.approx(ea[s], rel=1e-4), (s, ea[s], eb[s])
 
 
 def test_accumulator_averages_each_key_over_its_own_count():

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mode_cli(*args, check=True, timeout=600, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([PY, "-m", "mode.cli", *map(str, args)], cwd=ROOT, env=env(2), capture_output=True,
+def mode_cli(*args, check=True, timeout=600, threads=2, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([PY, "-m", "mode.cli", *map(str, args)], cwd=ROOT, env=env(threads), capture_output=True,
                        text=True, timeout=timeout, **kw)
     if check and r.returncode != 0:
         raise AssertionError(f"mode {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -45,6 +46,15 @@ def deepspeed_train(nproc: int, config: str, *overrides, check=True, timeout=600
         Path("/tmp/ds_fail.log").write_text(r.stdout + r.stderr)
         raise AssertionError(f"deepspeed run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
+
+
+def side_by_side(*launches):
+    """Call independent launches (zero-argument callables, e.g. `lambda: mode_cli(...)`) two at a
+    time; return their results in order. A starting process spends most of a tiny run importing
+    torch on one core, so on the 2-core CI machine a second one beside it costs little wall time.
+    Give each launch one thread (`mode_cli(..., threads=1)`): two 2-thread OpenMP pools on 2 cores spin."""
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result() for f in [pool.submit(launch) for launch in launches]]
 
 
 def scalars(run_dir, tag: str) -> dict[int, float]:

@@ -80,10 +80,15 @@ def count(idx_R: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=idx_R.device).scatter_add_(0, idx_R, torch.ones_like(idx_R))
 
 
-@torch.compiler.assume_constant_result  # a function of Python numbers: torch.compile folds it
 def _host_capacity(num_tokens: int, num_experts: int, cf_k: float, min_capacity: int) -> int:
     # float32 like DeepSpeed, in numpy: a tensor here would be a device read on every call.
     return max(math.ceil(np.float32(num_tokens / num_experts) * np.float32(cf_k)), min_capacity)
+
+
+# A function of Python numbers: torch.compile folds it. This is the mark that
+# @torch.compiler.assume_constant_result sets (tests/test_compile.py checks it); the decorator
+# imports torch._dynamo, ~3 s of CPU in every process that only validates, evaluates or generates.
+_host_capacity._dynamo_marked_constant = True
 
 
 class ExpertRouter(nn.Module):
