@@ -164,14 +164,7 @@ def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, te
                 if eos_id is not None or stops is not None:
                     fin_A = next_A == eos_id if eos_id is not None else torch.zeros_like(act_A, dtype=torch.bool)
                     if stops is not None:  # host: the text of a row's new tokens (one sync per step)
-                        tok_A = next_A.tolist()
-                        hit = []
-                        for a, r in enumerate(act):
-                            if stops[r]:
-                                new_ids[r].append(tok_A[a])
-                                text = decode(new_ids[r])
-                                if any(s in text for s in stops[r]):
-                                    hit.append(a)
+                        hit = _stop_hits(act, next_A.tolist(), stops, new_ids, decode)
                         if hit:
                             fin_A[hit] = True
                     if bool(fin_A.any()):  # host sync: the batch shrinks
@@ -211,6 +204,18 @@ def generate_ids(model: LM, prompt_ids: list[list[int]], max_new_tokens: int, te
             logits_BTV[~valid_BT] = float("nan")  # prefill padding, steps after a row's last token
         return out_ids, Trace(tokens_BT, logits_BTV, valid_BT)
     return out_ids
+
+
+def _stop_hits(act: list[int], tok_A: list[int], stops: list[list[str]], new_ids: list[list[int]], decode) -> list[int]:
+    """Append each active row's new token to its host copy (rows with stop strings only) and return
+    the active positions whose decoded new text now holds one of the row's stop strings."""
+    hit = []
+    for a, r in enumerate(act):
+        if stops[r]:
+            new_ids[r].append(tok_A[a])
+            if any(s in decode(new_ids[r]) for s in stops[r]):
+                hit.append(a)
+    return hit
 
 
 def _stop_len(decode, ids: list[int], stop: list[str]) -> int:
