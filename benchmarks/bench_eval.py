@@ -1,8 +1,9 @@
 """Scoring speed of `mode eval` (the lm-eval adapter, mode/harness.py) on this machine: tokens/s of
 loglikelihood_rolling over the example task's 24 documents (configs/eval/data/stdlib_ppl.jsonl)
 for untrained tiny presets, batch 1 vs batch B side by side (interleaved, best of R), and the
-log-likelihood difference between the two (batching must not change results). Presets whose
-rows share expert capacity are always scored one row at a time (see `rows_independent`).
+log-likelihood difference between the two (batching must not change results). Rows that would
+share expert capacity (a non-null `model.moe.inference_capacity_factor`) are scored one row at a
+time (see `rows_independent`).
 Not a test: prints a markdown table (and `--write` appends it to benchmarks/RESULTS.md).
 """
 from __future__ import annotations

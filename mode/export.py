@@ -1,7 +1,8 @@
 """`mode export --run RUN_DIR --out DIR`: a portable copy of a trained model.
 
 DIR holds `model.safetensors` (weights only, no pickle), the resolved `config.yaml`, the tokenizer
-(`tokenizer/tokenizer.json` for a Hugging Face tokenizer; the byte tokenizer needs no file) and
+(`tokenizer/tokenizer.json` and its `tokenizer_config.json` for a Hugging Face tokenizer, with the
+run's EOS token pinned in the config; the byte tokenizer needs no file) and
 `export.json` (where it came from). `load_run`, `mode generate` and `mode eval` read DIR like a run
 directory. The export is written into a sibling temporary directory and renamed into place, so a
 failure leaves no half-written DIR.
@@ -28,14 +29,22 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     if not out.parent.is_dir():
         raise ConfigError("--out", str(out), f"a directory whose parent {out.parent} exists")
     model, tok, cfg, source = load_run(run_dir, return_source=True)
+    tok_files = []
+    if cfg.data.tokenizer != "byte":
+        # The file the run's tokenizer was read from (a directory's, a tokenizer.json path or a
+        # hub cache entry), its tokenizer_config.json beside it, and the EOS it resolved to,
+        # written into the config so the export can never pick another one.
+        f = Path(tok.file)
+        tok_files = [f] + [p for p in [f.parent / "tokenizer_config.json"] if p.is_file()]
+        cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
     try:
         save_weights(model, tmp / WEIGHTS)
-        if cfg.data.tokenizer != "byte":
+        if tok_files:  # config.yaml names TOKENIZER_DIR, relative to the export dir; load_run resolves it
             (tmp / TOKENIZER_DIR).mkdir()
-            shutil.copy2(Path(cfg.data.tokenizer) / "tokenizer.json", tmp / TOKENIZER_DIR / "tokenizer.json")
-            cfg.data.tokenizer = TOKENIZER_DIR  # relative to the export dir; load_run resolves it
+            for f in tok_files:
+                shutil.copy2(f, tmp / TOKENIZER_DIR / ("tokenizer.json" if f is tok_files[0] else f.name))
         (tmp / "config.yaml").write_text(dump_config(cfg))
         info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(source),
                 "parameters": sum(p.numel() for p in model.parameters())}

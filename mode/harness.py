@@ -57,11 +57,14 @@ def rolling_windows(ids: list[int], eos_id: int, max_len: int) -> list[tuple[lis
 
 
 def rows_independent(model, routing: str) -> bool:
-    """True when a row's logits do not depend on the other rows (or the padding) of its batch."""
+    """True when a row's log-probs do not depend on the other rows (or the trailing padding) of its
+    batch: causal routing decides each token from its own row's prefix, and expert layers at
+    sampling time are capped only by `inference_capacity_factor` (null = dropless; a value makes
+    the batch's rows share expert slots)."""
     if routing != "causal":
         return False  # top-k over the sequence: padding and length change who is selected
     moe = model.cfg.moe
-    return not resolve_layers(moe.layers, model.cfg.n_layers) or moe.capacity_factor is None
+    return not resolve_layers(moe.layers, model.cfg.n_layers) or moe.inference_capacity_factor is None
 
 
 class Scorer:
@@ -73,10 +76,8 @@ class Scorer:
             raise ConfigError("--routing", routing, "causal or topk")
         self.model, self.tok, self.routing = model.eval(), tokenizer, routing
         self.batch_size = max(1, int(batch_size)) if rows_independent(model, routing) else 1
-        # Generation routes causally with inference_capacity_factor (null = dropless): rows independent.
-        moe = model.cfg.moe
-        coupled = resolve_layers(moe.layers, model.cfg.n_layers) and moe.inference_capacity_factor is not None
-        self.gen_batch_size = 1 if coupled else max(1, int(batch_size))
+        # Generation always routes causally, whatever --routing scores with.
+        self.gen_batch_size = max(1, int(batch_size)) if rows_independent(model, "causal") else 1
         self.max_len = model.cfg.max_seq_len
         self.device = next(model.parameters()).device
 

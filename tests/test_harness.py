@@ -1,4 +1,4 @@
-"""lm-evaluation-harness integration (`mode eval`) and the portable export (`mode export`).
+"""lm-evaluation-harness integration (`mode eval`); the export itself is tests/test_export.py.
 
 Log-likelihoods are checked against the model's own logits, log-softmaxed in float64 by hand,
 window by window as the docstring of mode/harness.py defines them; the requests go through
@@ -7,7 +7,6 @@ Shape legend: S sequence, V vocabulary.
 """
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -17,32 +16,14 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from mode.cli import main as cli_main  # noqa: E402
-from mode.config import dump_config, load_config  # noqa: E402
 from mode.data import ByteTokenizer  # noqa: E402
-from mode.generate import generate_ids, load_run  # noqa: E402
+from mode.generate import generate_ids  # noqa: E402
 from mode.harness import ModeLM, rolling_windows  # noqa: E402
-from mode.mod import MoDBlock  # noqa: E402
-from mode.model import build_model  # noqa: E402
-from tests.util import ROOT, fake_checkpoint, mode_cli  # noqa: E402
+from tests.util import HARNESS_L as L  # noqa: E402
+from tests.util import HARNESS_PRESETS, ROOT, fake_run, mode_cli, tiny_model  # noqa: E402
 
-L = 24  # model.max_seq_len: short, so documents span several windows
-SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", f"model.max_seq_len={L}", f"data.seq_len={L}"]
-# moe+dropless: expert layers without capacity, the one MoE case whose rows are batched
-PRESETS = ["dense", "mod", "moe", "moe+dropless", "mode_staged", "mode_integrated"]
+PRESETS = HARNESS_PRESETS
 TOK = ByteTokenizer()
-
-
-def tiny_model(preset: str, seed: int = 0):
-    """An untrained model of a tiny preset, routers spread so that routing differs per token."""
-    name, _, variant = preset.partition("+")
-    cfg = load_config(ROOT / f"configs/tiny/{name}.yaml", SMALL + (["model.moe.capacity_factor=null"] if variant else []))
-    torch.manual_seed(seed)
-    model = build_model(cfg.model).eval()
-    for b in model.blocks:
-        if isinstance(b, MoDBlock):
-            lin = b.router.predictor[2] if b.router.predictor is not None else b.router.router
-            torch.nn.init.normal_(lin.weight, std=3.0 / lin.weight.shape[1] ** 0.5)
-    return model, cfg
 
 
 def logprobs_ref(model, inp: list[int], tgt: list[int], routing="causal"):
@@ -94,7 +75,7 @@ def test_loglikelihood_rolling_equals_sum_of_logprobs(preset):
     model, _ = tiny_model(preset)
     assert max(len(d) for d in DOCS) > 2 * L  # some documents need several windows
     lm = ModeLM(model=model, tokenizer=TOK, batch_size=3)
-    assert lm.scorer.batch_size == (1 if preset in ("moe", "mode_staged", "mode_integrated") else 3)
+    assert lm.scorer.batch_size == (1 if preset == "moe+capped" else 3)  # causal routing, dropless: rows batch
     reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)]
     got = lm.loglikelihood_rolling(reqs)
     for d, g in zip(DOCS, got):
@@ -145,54 +126,6 @@ def test_generate_until_stops_at_the_stop_sequence(preset):
     assert whole == full
 
 
-def _fake_run(tmp_path, preset, name="run"):
-    """A run directory as the trainer leaves it (config.yaml + checkpoints/step_N/model.pt)."""
-    model, cfg = tiny_model(preset, seed=1)
-    run = tmp_path / name
-    fake_checkpoint(run, 3, model.state_dict())
-    (run / "config.yaml").write_text(dump_config(cfg))
-    return model, run
-
-
-@pytest.mark.parametrize("preset", ["mod", "moe"])
-def test_export_gives_the_same_logits(tmp_path, preset):
-    model, run = _fake_run(tmp_path, preset)
-    (tmp_path / "out").mkdir()  # an existing empty directory is fine
-    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
-    files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == ["config.yaml", "export.json", "model.safetensors"]
-    from safetensors import safe_open  # a plain tensor container: opening it runs no pickle
-
-    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    assert names == set(model.state_dict()) - {"head.weight"}  # tied to embed.weight: stored once
-    loaded, tok, cfg = load_run(tmp_path / "out")
-    assert cfg.model == model.cfg
-    ids = torch.tensor([[TOK.eos_id] + TOK.encode("for i in range(3):").tolist()])
-    with torch.no_grad():
-        for routing in ("causal", "topk"):
-            assert torch.equal(model(ids, routing=routing).logits, loaded(ids, routing=routing).logits)
-    shutil.rmtree(run)  # the export stands alone
-
-
-def test_export_with_a_hugging_face_tokenizer(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tk.train_from_iterator(["def f(x): return x"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
-    (tmp_path / "tok").mkdir()
-    tk.save(str(tmp_path / "tok" / "tokenizer.json"))
-    cfg = load_config(ROOT / "configs/tiny/dense.yaml", SMALL + [f"data.tokenizer={tmp_path / 'tok'}"])
-    model = build_model(cfg.model)
-    fake_checkpoint(tmp_path / "run", 1, model.state_dict())
-    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
-    assert cli_main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
-    shutil.rmtree(tmp_path / "tok")  # the export carries its own copy
-    _, tok, cfg2 = load_run(tmp_path / "out")
-    assert tok.encode("def f(x)").tolist() == tk.encode("def f(x)").ids and tok.eos_id == tk.token_to_id("</s>")
-
-
 # ----------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, nothing written.
 
@@ -204,32 +137,27 @@ def _one_line_error(capsys, argv, needle):
 
 
 def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
-    _, run = _fake_run(tmp_path, "mod")
+    _, run = fake_run(tmp_path, "mod")
     empty = tmp_path / "empty_run"  # a run that never reached a checkpoint
     empty.mkdir()
     (empty / "config.yaml").write_text((run / "config.yaml").read_text())
     (tmp_path / "tasks").mkdir()  # a task whose data file is missing
     y = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text().replace("task: stdlib_ppl", "task: gone_ppl")
     (tmp_path / "tasks" / "gone.yaml").write_text(y.replace("configs/eval/data/stdlib_ppl.jsonl", str(tmp_path / "nope.jsonl")))
-    (tmp_path / "taken").mkdir()  # a non-empty export target holding a user's file
-    (tmp_path / "taken" / "mine.txt").write_text("user data")
     before = sorted(tmp_path.rglob("*"))
     inc = ["--include-path", str(ROOT / "configs/eval")]
     _one_line_error(capsys, ["eval", "--run", str(empty), "--tasks", "stdlib_ppl", *inc], "complete checkpoint")
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "gone_ppl", "--include-path", str(tmp_path / "tasks")],
                     "data could not be loaded")
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--routing", "sideways"], "--routing")
-    _one_line_error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "taken")], "--out")
-    _one_line_error(capsys, ["export", "--run", str(empty), "--out", str(tmp_path / "new")], "complete checkpoint")
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
-    assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
 
 
 def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
     import mode.harness
 
     monkeypatch.setattr(mode.harness, "ModeLM", None)  # what the module holds when `import lm_eval` fails
-    _, run = _fake_run(tmp_path, "dense")
+    _, run = fake_run(tmp_path, "dense")
     assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install -e '.[eval]'" in err[0]
@@ -237,7 +165,7 @@ def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypa
 
 @pytest.mark.slow  # an unknown name is only unknown after indexing lm-eval's ~15k built-in tasks (~25 s)
 def test_unknown_task_is_one_line(tmp_path):
-    _, run = _fake_run(tmp_path, "mod")
+    _, run = fake_run(tmp_path, "mod")
     r = mode_cli("eval", "--run", run, "--tasks", "stdlib_ppl,no_such_task_xyz", "--include-path", "configs/eval",
                  check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
@@ -252,7 +180,7 @@ def test_unknown_task_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_export_eval_generate_end_to_end(tmp_path):
-    model, run = _fake_run(tmp_path, "mod")
+    model, run = fake_run(tmp_path, "mod")
     mode_cli("export", "--run", run, "--out", tmp_path / "export")
     out = tmp_path / "results.json"
     r = mode_cli("eval", "--run", tmp_path / "export", "--tasks", "mode_example", "--include-path", "configs/eval",

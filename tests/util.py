@@ -83,3 +83,45 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
     d.mkdir(parents=True)
     torch.save(state_dict, d / ckpt.MODEL)
     return d
+
+
+# Untrained tiny models for the sampling-time tests (`mode eval`, `mode export`): a short window,
+# so documents span several of them.
+HARNESS_L = 24  # model.max_seq_len
+HARNESS_SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", f"model.max_seq_len={HARNESS_L}",
+                 f"data.seq_len={HARNESS_L}"]
+# moe+capped: expert slots capped at sampling time (inference_capacity_factor), so the rows of a
+# batch would share them: the one case scored a row at a time
+HARNESS_PRESETS = ["dense", "mod", "moe", "moe+capped", "mode_staged", "mode_integrated"]
+
+
+def tiny_model(preset: str, seed: int = 0):
+    """An untrained model of a tiny preset (HARNESS_PRESETS), routers spread so that routing
+    differs per token; returns (model in eval mode, config)."""
+    import torch
+
+    from mode.config import load_config
+    from mode.mod import MoDBlock
+    from mode.model import build_model
+
+    name, _, variant = preset.partition("+")
+    cfg = load_config(ROOT / f"configs/tiny/{name}.yaml",
+                      HARNESS_SMALL + (["model.moe.inference_capacity_factor=1.0"] if variant else []))
+    torch.manual_seed(seed)
+    model = build_model(cfg.model).eval()
+    for b in model.blocks:
+        if isinstance(b, MoDBlock):
+            lin = b.router.predictor[2] if b.router.predictor is not None else b.router.router
+            torch.nn.init.normal_(lin.weight, std=3.0 / lin.weight.shape[1] ** 0.5)
+    return model, cfg
+
+
+def fake_run(tmp_path, preset, name="run"):
+    """A run directory as the trainer leaves it (config.yaml + checkpoints/step_N/model.pt)."""
+    from mode.config import dump_config
+
+    model, cfg = tiny_model(preset, seed=1)
+    run = Path(tmp_path) / name
+    fake_checkpoint(run, 3, model.state_dict())
+    (run / "config.yaml").write_text(dump_config(cfg))
+    return model, run

@@ -1,0 +1,96 @@
+"""`mode export`: a portable model (safetensors + config + tokenizer) that `load_run` reads back
+with the same logits and the same tokenizer as the run it came from. Needs no lm-eval."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from mode.cli import main as cli_main
+from mode.config import dump_config, load_config
+from mode.data import ByteTokenizer
+from mode.generate import load_run
+from mode.model import build_model
+from tests.util import HARNESS_SMALL, ROOT, fake_checkpoint, fake_run
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize("preset", ["mod", "moe"])
+def test_export_gives_the_same_logits(tmp_path, preset):
+    model, run = fake_run(tmp_path, preset)
+    (tmp_path / "out").mkdir()  # an existing empty directory is fine
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["config.yaml", "export.json", "model.safetensors"]
+    from safetensors import safe_open  # a plain tensor container: opening it runs no pickle
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == set(model.state_dict()) - {"head.weight"}  # tied to embed.weight: stored once
+    loaded, tok, cfg = load_run(tmp_path / "out")
+    assert cfg.model == model.cfg
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("for i in range(3):").tolist()])
+    with torch.no_grad():
+        for routing in ("causal", "topk"):
+            assert torch.equal(model(ids, routing=routing).logits, loaded(ids, routing=routing).logits)
+    shutil.rmtree(run)  # the export stands alone
+
+
+def _hf_tokenizer(d, eos_in_config: str | None = None):
+    """A small BPE tokenizer.json in d; with `eos_in_config`, a tokenizer_config.json naming that
+    EOS token while the vocabulary also holds `</s>` (which the built-in list would pick)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tk.train_from_iterator(["def f(x): return x"] * 20,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>", "<|end|>"]))
+    d.mkdir()
+    tk.save(str(d / "tokenizer.json"))
+    if eos_in_config:
+        (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_in_config}))
+    return tk
+
+
+@pytest.mark.parametrize("spec", ["directory", "tokenizer.json", "eos from tokenizer_config.json"])
+def test_export_with_a_hugging_face_tokenizer(tmp_path, spec):
+    """The export carries the tokenizer the run used, whichever way the run named it, and the same
+    EOS id (generation stops and every scored text starts with it)."""
+    eos = "<|end|>" if spec.startswith("eos") else None
+    tk = _hf_tokenizer(tmp_path / "tok", eos_in_config=eos)
+    name = tmp_path / "tok" / "tokenizer.json" if spec == "tokenizer.json" else tmp_path / "tok"
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", HARNESS_SMALL + [f"data.tokenizer={name}"])
+    model = build_model(cfg.model)
+    fake_checkpoint(tmp_path / "run", 1, model.state_dict())
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    _, run_tok, _ = load_run(tmp_path / "run")
+    assert run_tok.eos_id == tk.token_to_id(eos or "</s>")
+    assert cli_main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    shutil.rmtree(tmp_path / "tok")  # the export carries its own copy
+    _, tok, _ = load_run(tmp_path / "out")
+    assert tok.encode("def f(x)").tolist() == tk.encode("def f(x)").ids
+    assert tok.eos_id == run_tok.eos_id
+
+
+def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    _, run = fake_run(tmp_path, "mod")
+    empty = tmp_path / "empty_run"  # a run that never reached a checkpoint
+    empty.mkdir()
+    (empty / "config.yaml").write_text((run / "config.yaml").read_text())
+    (tmp_path / "taken").mkdir()  # a non-empty export target holding a user's file
+    (tmp_path / "taken" / "mine.txt").write_text("user data")
+    before = sorted(tmp_path.rglob("*"))
+    for argv, needle in ((["--run", str(run), "--out", str(tmp_path / "taken")], "--out"),
+                         (["--run", str(empty), "--out", str(tmp_path / "new")], "complete checkpoint"),
+                         (["--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "new")], "--run"),
+                         (["--run", str(run), "--out", str(tmp_path / "new"), "--bogus"], "--bogus")):
+        try:
+            rc = cli_main(["export", *argv])
+        except SystemExit as e:  # a bad option: argparse exits (mode's parser prints one line first)
+            rc = e.code
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
+    assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
