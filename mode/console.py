@@ -7,7 +7,8 @@ import os
 import shlex
 import sys
 
-from mode.config import Config, resolve_layers
+from mode.config import Config
+from mode.plan import layer_plan
 
 
 def _si(x: float) -> str:
@@ -20,22 +21,35 @@ def _si(x: float) -> str:
 def active_params(cfg: Config, total: int, flops: dict) -> int:
     """Parameters one token can use: an MoE layer contributes top_k of its E experts (at most)."""
     moe = cfg.model.moe
-    n_moe = len(resolve_layers(moe.layers, cfg.model.n_layers))
+    n_moe = sum(p.mlp == "moe" for p in layer_plan(cfg.model))
     per_expert = (3 if cfg.model.mlp == "swiglu" else 2) * cfg.model.d_model * (moe.d_expert or cfg.model.d_ff)
     return total - n_moe * max(0, moe.num_experts - moe.top_k) * per_expert
+
+
+def _route(name: str, r) -> str:
+    return f"{name} {r.capacity:g}" + (" K/V from all" if r.kv == "all" else "")
+
+
+def routing_summary(cfg: Config) -> str:
+    """Which layers route what, from the layer plan (per-layer and per-sublayer capacities included)."""
+    m, plan = cfg.model, layer_plan(cfg.model)
+    depth = [f"{p.index}: " + (_route("block", p.block) if p.block else
+                              _route("attn", p.attn) + " / " + _route("mlp", p.mlp_route))
+             for p in plan if p.depth_routed]
+    moe = [p.index for p in plan if p.mlp == "moe"]
+    parts = []
+    if depth:
+        parts.append(f"MoD capacity by layer {{{', '.join(depth)}}} ({m.mod.causal} causal)")
+    if moe:
+        parts.append(f"MoE layers {moe}: {m.moe.num_experts} experts"
+                     + (f" + {m.moe.num_noop_experts} no-op" if m.moe.num_noop_experts else "")
+                     + f", top-{m.moe.top_k}, capacity factor {m.moe.capacity_factor}, backend {m.moe.backend}")
+    return "; ".join(parts) or "dense"
 
 
 def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak: tuple[float, str],
                 resumed_step: int) -> str:
     m, t, d = cfg.model, cfg.train, cfg.data
-    mod, moe = resolve_layers(m.mod.layers, m.n_layers), resolve_layers(m.moe.layers, m.n_layers)
-    routing = []
-    if mod:
-        routing.append(f"MoD layers {mod} capacity {m.mod.capacity} ({m.mod.causal} causal)")
-    if moe:
-        routing.append(f"MoE layers {moe}: {m.moe.num_experts} experts"
-                       + (f" + {m.moe.num_noop_experts} no-op" if m.moe.num_noop_experts else "")
-                       + f", top-{m.moe.top_k}, capacity factor {m.moe.capacity_factor}, backend {m.moe.backend}")
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)  # torchrun / deepspeed
     nodes = max(1, world // local)
     gbatch = t.micro_batch_size * t.grad_accum * world
@@ -43,7 +57,7 @@ def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak:
         f"run {cfg.run.name or cfg.run.dir} in {cfg.run.dir}"
         + (f" (resuming at step {resumed_step})" if resumed_step else ""),
         f"model    d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}; "
-        + ("; ".join(routing) or "dense"),
+        + routing_summary(cfg),
         f"params   {params:,} total, {active_params(cfg, params, flops):,} active per token",
         f"FLOPs    {_si(flops['forward_flops_per_token'])} forward per token (training: 3x), "
         f"peak {peak[0]:.4g} TFLOP/s per device ({peak[1]})",

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mode.config import ConfigError, resolve_layers
+from mode.config import ConfigError
+from mode.plan import has_moe, layer_plan
 
 INSTALL_HINT = "mode eval needs lm-evaluation-harness: pip install -e '.[eval]'  (or: pip install lm-eval)"
 
@@ -63,8 +64,7 @@ def rows_independent(model, routing: str) -> bool:
     the batch's rows share expert slots)."""
     if routing != "causal":
         return False  # top-k over the sequence: padding and length change who is selected
-    moe = model.cfg.moe
-    return not resolve_layers(moe.layers, model.cfg.n_layers) or moe.inference_capacity_factor is None
+    return not has_moe(layer_plan(model.cfg)) or model.cfg.moe.inference_capacity_factor is None
 
 
 class Scorer:

@@ -269,6 +269,35 @@ def test_bad_variant_configs_are_refused(override, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("overrides,expect", [
+    (["model.mod.capacity=[0.5,0.33,0.165]"], "{1: block 0.5, 3: block 0.33, 5: block 0.165}"),
+    (["model.mod.decoupled=true", "model.mod.attn_capacity=0.4", "model.mod.mlp_capacity=[0.25,0.5,0.25]"],
+     "{1: attn 0.4 / mlp 0.25, 3: attn 0.4 / mlp 0.5, 5: attn 0.4 / mlp 0.25}"),
+    (["model.mod.kv=all", "model.mod.capacity=0.215"], "1: block 0.215 K/V from all,"),
+])
+def test_start_block_shows_each_routed_layers_capacities(overrides, expect):
+    """The console's start block reads the layer plan: per-layer and per-sublayer capacities and
+    K/V-from-all are what the run was configured with, not model.mod.capacity alone."""
+    from mode.console import routing_summary
+
+    cfg = load_config(ROOT / "configs/tiny/mod.yaml", ["model.n_layers=6", *overrides])
+    assert expect in routing_summary(cfg)
+
+
+@pytest.mark.parametrize("preset", ["dense", "mod", "moe", "mode_staged", "mode_integrated"])
+def test_active_params_counts_top_k_of_each_layers_experts(preset):
+    """Active parameters per token, against the built model: every parameter except, in each
+    expert layer, the weights of the E - top_k experts a token does not use."""
+    from mode.console import active_params
+
+    cfg = load_config(ROOT / f"configs/tiny/{preset}.yaml")
+    model = build_model(cfg.model)
+    total = sum(p.numel() for p in model.parameters())
+    E, k = cfg.model.moe.num_experts, cfg.model.moe.top_k
+    unused = sum(p.numel() // E * (E - k) for n, p in model.named_parameters() if n.endswith((".w_in", ".w_out")))
+    assert active_params(cfg, total, {}) == total - unused
+
+
 @pytest.mark.slow
 def test_variant_metrics_reach_tensorboard(tmp_path):
     run = tmp_path / "run"
