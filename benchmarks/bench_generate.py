@@ -41,6 +41,7 @@ from mode.config import ModConfig, ModelConfig, MoEConfig  # noqa: E402
 from mode.mod import MoDBlock  # noqa: E402
 from mode.model import build_model  # noqa: E402
 from mode.moe.base import MoEBase  # noqa: E402
+from common import append_results  # noqa: E402  (benchmarks/common.py)
 
 
 def configs(d: int, layers: int, heads: int, ff: int, capacity: float) -> dict[str, ModelConfig]:
@@ -299,8 +300,7 @@ def main():
     print("\n".join(pre))
     lines += pre
     if a.write:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-            f.write("\n".join(lines) + "\n")
+        append_results("\n".join(lines))
 
 
 if __name__ == "__main__":

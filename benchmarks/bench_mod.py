@@ -28,6 +28,7 @@ from mode.model import build_model  # noqa: E402
 from mode.model.blocks import DenseBlock  # noqa: E402
 from mode.routed import Ctx  # noqa: E402
 from mode.routing.depth import capacity_k  # noqa: E402
+from common import append_results  # noqa: E402  (benchmarks/common.py)
 
 
 def block_flops(S: int, D: int, F: int, k: int | None = None) -> float:
@@ -181,8 +182,5 @@ if __name__ == "__main__":
         runs.append((torch.get_num_threads(), rows, model_t, " / ".join(f"{v:.1f}" for v in os.getloadavg())))
     text = report(runs, D, H, F, a.reps)
     print(text)
-    if a.write:  # re-read just before writing: other benchmarks append their own sections
-        path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
-        prev = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-        with open(path, "w") as f:
-            f.write(prev.rstrip("\n") + "\n\n" + text)
+    if a.write:
+        append_results(text)

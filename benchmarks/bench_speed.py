@@ -28,6 +28,7 @@ from mode import engine as eng  # noqa: E402
 from mode.config import ModConfig, ModelConfig  # noqa: E402
 from mode.model import build_model  # noqa: E402
 from mode.routing.depth import capacity_k  # noqa: E402
+from common import append_results  # noqa: E402  (benchmarks/common.py)
 
 MODES = [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)]
 
@@ -146,6 +147,4 @@ if __name__ == "__main__":
     text = report(best, limit, dev, a)
     print(text)
     if a.write:
-        path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
-        with open(path, "a") as f:
-            f.write("\n" + text)
+        append_results(text)

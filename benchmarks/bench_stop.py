@@ -26,6 +26,7 @@ from mode.config import load_config  # noqa: E402
 from mode.data import ByteTokenizer  # noqa: E402
 from mode.generate import cut_at_stop, generate_ids  # noqa: E402
 from mode.model import build_model  # noqa: E402
+from common import append_results  # noqa: E402  (benchmarks/common.py)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TOK = ByteTokenizer()
@@ -114,8 +115,7 @@ def main() -> None:
     table = head + "\n" + "\n".join(rows) + "\n"
     print(table)
     if a.write:
-        with open(os.path.join(ROOT, "benchmarks/RESULTS.md"), "a") as f:
-            f.write(table)
+        append_results(table)
 
 
 if __name__ == "__main__":
