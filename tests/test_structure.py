@@ -164,3 +164,24 @@ def test_importing_the_engine_changes_no_environment(module, monkeypatch):
     spec = importlib.util.spec_from_file_location(f"fresh_{Path(module).stem}", ROOT / module)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert dict(os.environ) == before
+
+
+def test_shm_buffer_name_is_the_one_deepspeed_creates(monkeypatch):
+    # mode.engine.unlink_shm_buffer removes DeepSpeed's per-rank /dev/shm segment by name; if a
+    # DeepSpeed upgrade renamed it, every multi-rank CPU run would leak 66 MB per rank again. The
+    # name is read from the installed DeepSpeed's own source (csrc/cpu/comm/shm.cpp).
+    import os
+    import re
+    from pathlib import Path
+
+    import deepspeed
+
+    from mode.engine import shm_buffer
+
+    src = (Path(deepspeed.__file__).parent / "ops/csrc/cpu/comm/shm.cpp").read_text()
+    base = re.search(r'#define SHM_BUFFER_NAME "([^"]+)"', src).group(1)
+    assert re.search(r'"%s_%d_%s_%s",\s*SHM_BUFFER_NAME,\s*getuid\(\),\s*addr_string,\s*port_string', src)
+    assert re.search(r'snprintf\(shm_name, NAME_BUF_SIZE, "%s_%d", shm_name_prefix, rank\)', src)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert shm_buffer(3) == Path(f"/dev/shm/{base}_{os.getuid()}_10.0.0.7_29511_3")

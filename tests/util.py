@@ -38,13 +38,24 @@ def mode_cli(*args, check=True, timeout=600, threads=2, **kw) -> subprocess.Comp
     return r
 
 
+def leaked_shm(port: int) -> list[str]:
+    """Shared-memory segments DeepSpeed's CPU comm op made for a run on `port` still in /dev/shm
+    (mode.engine.shm_buffer names them; a finished run must leave none: 66 MB of RAM each)."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
 def deepspeed_train(nproc: int, config: str, *overrides, check=True, timeout=600) -> subprocess.CompletedProcess:
-    cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", "mode.train",
+    """A run through the real DeepSpeed launcher; with check, it must succeed and leave no
+    shared memory behind."""
+    port = free_port()
+    cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(port), "--module", "mode.train",
            "--config", config, *map(str, overrides)]
     r = subprocess.run(cmd, cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
         Path("/tmp/ds_fail.log").write_text(r.stdout + r.stderr)
         raise AssertionError(f"deepspeed run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    if check:
+        assert not leaked_shm(port), f"the run left shared memory behind: {leaked_shm(port)}"
     return r
 
 
