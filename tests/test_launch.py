@@ -278,8 +278,10 @@ def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
              SLURM_GPUS_ON_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     config = str(ROOT / EP_CONFIG)
     sbatch = str(ROOT / "launch" / "slurm.sbatch")
-    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                       env=e, capture_output=True, text=True, timeout=300)
+    # run.fresh=true: the job writes run.dir/slurm/ before the trainer starts; that directory is new
+    # and fresh must not delete the job's own files (its log, the hostfile the nodes read).
+    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}", "run.fresh=true"],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 nodes x 1 ranks (GPUs allocated per node), master 127.0.0.1" in r.stdout
     assert (tmp_path / "run" / "slurm" / "hostfile.4242").read_text() == "nodeA slots=1\nnodeB slots=1\n"
