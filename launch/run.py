@@ -120,14 +120,16 @@ def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: in
 
 
 def validate(config: str, overrides: list[str], world: int, node_rank: int | None = None):
-    """Resolve the config for `world` ranks and run the trainer's preflight; raises ConfigError.
-    Only node 0 checks the run directory's lock: another node's launcher may start after rank 0
-    took it."""
+    """Resolve the config for `world` ranks and run the trainer's preflight and world-size check
+    (here, once, instead of in every rank); raises ConfigError. Only node 0 checks the run
+    directory's lock: another node's launcher may start after rank 0 took it."""
     from mode.config import load_config
-    from mode.train import preflight
+    from mode.train import check_world, finished, preflight
 
     cfg = load_config(config, overrides, world_size=world)
     preflight(cfg, lock=not node_rank)
+    if finished(cfg) is None:  # a finished run is a no-op at any world size (the ranks say so)
+        check_world(cfg, world)
     return cfg
 
 

@@ -86,12 +86,24 @@ def step_of(path: Path) -> int:
 # Manifest: size + SHA-256 per file.
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool = False) -> str:
+    """The file's SHA-256; `sync`: also force its data to disk (fsync) once it is read."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make d's entries (files created or renamed in it) durable."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _files(d: Path) -> list[Path]:
@@ -99,13 +111,20 @@ def _files(d: Path) -> list[Path]:
 
 
 def write_manifest(d: Path, step: int) -> None:
-    files = {str(p.relative_to(d)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(d)}
+    """Hash every file and write the manifest last. Each file and directory is fsynced before the
+    manifest is written, so after a power loss a manifest never outlives the data it vouches for."""
+    paths = _files(d)
+    files = {str(p.relative_to(d)): {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)} for p in paths}
+    dirs = {d} | {q for p in paths for q in p.parents if d in q.parents}
+    for sub in sorted(dirs, key=lambda q: len(q.parts), reverse=True):  # deepest first
+        _fsync_dir(sub)
     part = d / (MANIFEST + ".part")
     with open(part, "w") as f:
         json.dump({"step": step, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, d / MANIFEST)  # atomic: a manifest is either whole or absent
+    _fsync_dir(d)
 
 
 def verify(d: Path) -> str | None:
@@ -280,6 +299,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
                 if final.exists():  # a checkpoint of this step we did not resume from: keep it, aside
                     _move_aside(final)
                 tmp.rename(final)
+                _fsync_dir(root)  # the rename too: a checkpoint never reverts to step_N.tmp
                 rotate(root, keep)
             except Exception as e:  # noqa: BLE001
                 err = e

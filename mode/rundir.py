@@ -1,9 +1,11 @@
 """Run directories: what may be written or deleted, and one writer at a time.
 
-A run directory is recognised by what `mode` writes into it (ARTEFACTS). `run.fresh=true` empties
-only a directory whose every entry is such an artefact, and never the current directory or a
-parent of it; a start into an existing directory that holds anything else is refused, so a
-user's files are never overwritten or deleted.
+A run directory is recognised by what `mode` writes into it: every entry is an ARTEFACT and at
+least one is a SIGNATURE, a name only a run writes (a user's own `config.yaml` or `eval/` is not
+enough). A start, fresh or not, goes only into a new or empty directory or such a run, never the
+current directory or a parent of it, so a user's files are never overwritten or deleted.
+`run.fresh=true` empties the run but keeps `slurm/`: the SLURM job writes its log and hostfile
+there before the trainer starts (launch/slurm.sbatch), and a directory holding only that is new.
 
 One writer: the live job holds an exclusive `flock` on `<dir>/LOCK` (rank 0 of a trainer, or
 `mode compare` on its runs_dir). The kernel drops the lock when the holder dies, however it dies;
@@ -30,6 +32,8 @@ ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
+# Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
+JOB_LOGS = "slurm"
 
 
 def _is_within(a: Path, b: Path) -> bool:
@@ -58,12 +62,16 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
     if d.exists() and not d.is_dir():
         raise ConfigError(key, run_dir, "a directory (this path is a file)")
     if d.is_dir():
+        what = "delete (run.fresh=true)" if fresh else "write a run into"
         foreign = foreign_entries(d)
         if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            what = "delete (run.fresh=true)" if fresh else "write a run into"
-            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {shown}, which mode did "
-                                            f"not write, so it will not {what} it")
+            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(foreign)}, which "
+                                            f"mode did not write, so it will not {what} it")
+        entries = sorted(p.name for p in d.iterdir() if p.name != JOB_LOGS)
+        if entries and not is_mode_run(d):  # e.g. the user's own config.yaml, which a start would overwrite
+            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(entries)} but does "
+                                            "not look like a mode run (no checkpoints/, tb/, run_info.json or LOCK), "
+                                            f"so it will not {what} it")
         if lock:
             check_lock(d, key)
     ancestor = d
@@ -75,10 +83,15 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
     return d
 
 
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def empty_run_dir(d: Path) -> None:
-    """run.fresh: delete what a previous run wrote (check() proved it is all ours), not the lock we hold."""
+    """run.fresh: delete what a previous run wrote (check() proved it is a run), not the lock we
+    hold nor the job logs (the live job may be writing one)."""
     for p in d.iterdir():
-        if p.name == LOCK:
+        if p.name in (LOCK, JOB_LOGS):
             continue
         assert p.name in ARTEFACTS, p  # check() ran first
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()

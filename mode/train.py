@@ -92,6 +92,15 @@ def check_backend(cfg: Config) -> None:
         require_megablocks()
 
 
+def check_loggers(cfg: Config) -> None:
+    """The optional loggers' packages are there (else rank 0 would fail after creating run.dir)."""
+    import importlib.util
+
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb", True, "false, or install the wandb package it needs "
+                                             "(pip install -e '.[wandb]')")
+
+
 def check_build_locks() -> None:
     from mode.lifeline import stale_build_locks, use_venv_build_cache
 
@@ -111,6 +120,7 @@ def preflight(cfg: Config, lock: bool = True) -> dict | None:
     saved config when resuming. `lock=False` skips the one-writer check (a launcher on node R > 0
     may start after rank 0 took the lock)."""
     check_backend(cfg)
+    check_loggers(cfg)
     check_build_locks()
     check_data(cfg)
     return check_run_dir(cfg, lock)
@@ -152,8 +162,9 @@ class Trainer:
         self._barrier()
         self.lock = None
         if self.rank == 0:
+            was_run = rundir.is_mode_run(self.run_dir)  # before our LOCK makes any directory look like one
             self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
-            if cfg.run.fresh:
+            if cfg.run.fresh and was_run:  # preflight refused any other non-empty directory
                 rundir.empty_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self._barrier()

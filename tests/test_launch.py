@@ -139,6 +139,7 @@ def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
     cfg = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/dense.yaml", *TINY,
                           f"run.dir={run}", "--print-config"], cwd=ROOT, env=env(1), capture_output=True, text=True)
     (run / "config.yaml").write_text(cfg.stdout)
+    (run / "tb").mkdir()  # a run, not a user's directory holding a config.yaml
     r = launch_run("--num_gpus", 2, "--config", "configs/tiny/dense.yaml", *TINY, "model.d_model=64",
                    f"run.dir={run}")
     assert r.returncode == 2 and "config error: run.dir=" in r.stderr and "model.d_model: 32 -> 64" in r.stderr, \
@@ -146,6 +147,49 @@ def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
     r = launch_run("--hostfile", tmp_path / "missing", "--config", "configs/tiny/dense.yaml")
     assert r.returncode == 2 and "config error: --hostfile=" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def saved_run(d: Path, overrides: list[str], world: int) -> Path:
+    """A run directory as a run at `world` ranks leaves it after its step-2 checkpoint (the files the
+    pre-launch checks read: config.yaml, run_info.json, a checkpoint with its manifest)."""
+    from mode import checkpoint as ckpt
+    from mode.config import dump_config, load_config
+
+    step = ckpt.step_dir(ckpt.checkpoints_dir(d), 2)
+    step.mkdir(parents=True)
+    (step / ckpt.MODEL).write_bytes(b"weights")
+    ckpt.write_manifest(step, 2)
+    (d / "config.yaml").write_text(dump_config(load_config("configs/tiny/dense.yaml", [*overrides, f"run.dir={d}"])))
+    (d / "run_info.json").write_text(f'{{"world_size": {world}}}')
+    (d / "LOCK").write_text("")
+    return d
+
+
+@pytest.mark.slow
+def test_wrapper_refuses_what_only_the_ranks_refused_before(tmp_path):
+    """Bug caught: the world size on resume (and before that data and backend errors) were checked
+    only inside the ranks, so every rank printed the error after the launcher had started them."""
+    run = saved_run(tmp_path / "run", TINY, world=1)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = {"run.dir=": ("configs/tiny/dense.yaml", [*TINY, f"run.dir={run}"]),  # saved at 1 rank, launched at 2
+             "data.source=": ("configs/tiny/dense.yaml", [*TINY, f"data.source={tmp_path / 'missing.txt'}",
+                                                          f"run.dir={tmp_path / 'r1'}"]),
+             "data.": ("configs/tiny/dense.yaml", [*TINY, f"data.source={empty}", f"data.prepared_dir={tmp_path}/p",
+                                                   f"run.dir={tmp_path / 'r2'}"]),  # found only by preparing it
+             "model.moe.backend='megablocks'": ("configs/tiny/moe.yaml", [*TINY, "model.moe.backend=megablocks",
+                                                                          "deepspeed.precision=bf16",
+                                                                          f"run.dir={tmp_path / 'r3'}"])}
+    for start, (config, overrides) in cases.items():
+        r = launch_run("--num_gpus", 2, "--master_port", free_port(), "--config", config, *overrides)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"config error: {start}"), (start, r)
+        assert "deepspeed.launcher" not in r.stderr + r.stdout and r.stdout == "", (start, r)
+        if start == "run.dir=":
+            assert "saved at world size 1 and this launch has world size 2" in lines[0], lines
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+    assert not any((tmp_path / f"r{i}").exists() for i in (1, 2, 3))
 
 
 @pytest.mark.slow
@@ -234,8 +278,10 @@ def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
              SLURM_GPUS_ON_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     config = str(ROOT / EP_CONFIG)
     sbatch = str(ROOT / "launch" / "slurm.sbatch")
-    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                       env=e, capture_output=True, text=True, timeout=300)
+    # run.fresh=true: the job writes run.dir/slurm/ before the trainer starts; that directory is new
+    # and fresh must not delete the job's own files (its log, the hostfile the nodes read).
+    r = subprocess.run(["bash", sbatch, "--config", config, *EP_RUN, f"run.dir={tmp_path / 'run'}", "run.fresh=true"],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 nodes x 1 ranks (GPUs allocated per node), master 127.0.0.1" in r.stdout
     assert (tmp_path / "run" / "slurm" / "hostfile.4242").read_text() == "nodeA slots=1\nnodeB slots=1\n"

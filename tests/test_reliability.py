@@ -78,6 +78,71 @@ def test_fresh_empties_only_a_mode_run(tmp_path):
     lock.release()
 
 
+@pytest.mark.parametrize("entry", ["config.yaml", "eval"])
+def test_a_directory_that_is_not_a_run_is_never_written_or_emptied(tmp_path, monkeypatch, capsys, entry):
+    """Bug caught: `mode train --config exp/config.yaml run.dir=exp run.fresh=true` deleted the user's
+    own config (every entry had a name mode writes); without fresh the start overwrote it."""
+    from mode.cli import main
+
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    mine = (ROOT / CFG).read_text() + "# my notes\n"
+    if entry == "config.yaml":
+        (exp / entry).write_text(mine)
+    else:
+        (exp / entry).mkdir()
+        (exp / entry / "results.json").write_text(mine)
+    cfg = exp / "config.yaml" if entry == "config.yaml" else ROOT / CFG
+    monkeypatch.chdir(tmp_path)
+    for fresh in (["run.fresh=true"], []):
+        assert main(["train", "--print-config", "--config", str(cfg), *TINY, f"run.dir={exp}", *fresh]) == 2
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith(f"config error: run.dir={str(exp)!r}"), lines
+        assert f"holds {entry} but does not look like a mode run" in lines[0], lines
+    assert sorted(p.name for p in exp.rglob("*")) == sorted([entry] + (["results.json"] if entry == "eval" else []))
+    assert next(p for p in exp.rglob("*") if p.is_file()).read_text() == mine
+
+
+def test_fresh_keeps_the_live_slurm_log_and_a_slurm_only_directory_starts(tmp_path):
+    """launch/slurm.sbatch writes run.dir/slurm/ (the job's log, being written) before the trainer
+    starts: that directory is new, fresh or not, and fresh never deletes the log."""
+    from mode import rundir
+
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "job-7.out").write_text("mode: job 7\n")
+    for fresh in (True, False):
+        rundir.check(str(run), fresh)  # a new run: not refused
+    assert not rundir.is_mode_run(run)  # and nothing to empty
+    (run / "checkpoints").mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    (run / "run_info.json").write_text("{}")
+    assert rundir.is_mode_run(run)
+    lock = rundir.DirLock(run)
+    rundir.check(str(run), True, lock=False)
+    rundir.empty_run_dir(run)
+    assert sorted(p.name for p in run.iterdir()) == ["LOCK", "slurm"]
+    assert (run / "slurm" / "job-7.out").read_text() == "mode: job 7\n"
+    lock.release()
+
+
+def test_wandb_without_the_package_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Bug caught: log.wandb=true passed the pre-launch check and failed on rank 0 after run.dir was
+    created. wandb is a dev dependency, so its absence is simulated: None in sys.modules is how
+    Python marks a module that cannot be imported."""
+    from mode.cli import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    args = ["train", "--print-config", "--config", str(ROOT / CFG), *TINY, f"run.dir={run}"]
+    assert main([*args, "log.wandb=true"]) == 2
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("config error: log.wandb=True: "), lines
+    assert "pip install -e '.[wandb]'" in lines[0] and not run.exists(), lines
+    assert main(args) == 0  # the same start without W&B passes
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. One writer per run (in-process part: the lock itself).
 
@@ -162,6 +227,37 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, h
     assert ckpt.newest_verified(root, log=lines.append) == good
     assert len(lines) == 1 and "step_00000006" in lines[0] and "falling back" in lines[0], lines
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad"]
+
+
+def test_manifest_is_written_only_after_every_file_it_vouches_for_is_on_disk(tmp_path, monkeypatch):
+    """Bug caught: only the manifest was fsynced, so after a power loss a manifest could survive while
+    the files it lists (still in the page cache) did not: a "verified" checkpoint with lost data."""
+    from mode import checkpoint as ckpt
+
+    d = tmp_path / "step_00000002"
+    (d / "zero").mkdir(parents=True)
+    for name in ("model.pt", "rng_rank0.pt", "zero/optim_states.pt"):
+        (d / name).write_bytes(os.urandom(1000))
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(b)))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ckpt.write_manifest(d, 2)
+    published = events.index(("replace", str(d / ckpt.MANIFEST)))
+    synced_before = {p for kind, p in events[:published] if kind == "fsync"}
+    needed = {str(d / n) for n in ("model.pt", "rng_rank0.pt", "zero/optim_states.pt", "zero", "",
+                                   ckpt.MANIFEST + ".part")}
+    assert {os.path.normpath(p) for p in needed} <= synced_before, (needed - synced_before, events)
+    assert ("fsync", str(d)) in events[published:], events  # the manifest's rename itself is durable
+    assert ckpt.verify(d) is None
 
 
 def test_readers_of_weights_fall_back_without_touching_the_run(tmp_path):
