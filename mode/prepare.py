@@ -486,7 +486,8 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     if manifest.get("format") != FORMAT:
         why.append(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
     old, new = manifest.get("data", {}), data_keys(cfg)
-    why += [f"data.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    why += [f"data.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
     if manifest.get("tokenizer", {}).get("sha256") != tok.identity["sha256"]:
         why.append("the tokenizer file changed")
     if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:
@@ -538,7 +539,8 @@ def _lock(path: Path):
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         yield
     finally:
-        os.unlink(path)  # while still holding it: a waiter on this file sees it gone and retries
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while still holding it: a waiter on this file sees it gone and retries
         os.close(fd)
 
 

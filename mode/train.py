@@ -415,8 +415,8 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="mode train", description="Train a model from a YAML config.")
     p.add_argument("--config", required=True)
-    p.add_argument("--print-config", action="store_true", help="check the config and the data as a start would (without preparing the data or writing "
-                   "anything), print it, exit")
+    p.add_argument("--print-config", action="store_true", help="check the config and the data as a start would "
+                   "(without preparing the data or writing anything), print it, exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="dotted.key=value")

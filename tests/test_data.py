@@ -305,8 +305,8 @@ def _repo(tmp_path) -> tuple[Path, dict]:
     """A local dataset repository laid out as on the hub: two configs, each with its own files and
     train/validation splits, listed in README.md's YAML header (what `load_dataset(dir, name=)` reads)."""
     d = tmp_path / "repo"
-    docs = {c: {sp: [f"{c} {sp} document {i} " * (3 + i) for i in range(n)] for sp, n in (("train", 12), ("validation", 3))}
-            for c in ("alpha", "beta")}
+    docs = {c: {sp: [f"{c} {sp} document {i} " * (3 + i) for i in range(n)]
+                for sp, n in (("train", 12), ("validation", 3))} for c in ("alpha", "beta")}
     for c, splits in docs.items():
         (d / c).mkdir(parents=True)
         for sp, texts in splits.items():
