@@ -513,7 +513,8 @@ NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # e.g. Lustre mounted
 def _lock(path: Path):
     """Exclusive lock on `<dir>.lock`: one process prepares, the others wait for it. The file holds
     the holder's pid and host and exists only while held: its holder deletes it on the way out,
-    failed or not. Where the filesystem has no flock, the file's creation (O_EXCL) is the lock."""
+    failed or not (a killed holder's file stays: harmless under flock, which the kernel released).
+    Where the filesystem has no flock, the file's creation (O_EXCL) is the lock."""
     while True:
         try:
             fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
