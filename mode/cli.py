@@ -63,7 +63,8 @@ def _generate(argv) -> int:
                        "routing: a prompt's output does not depend on the other prompts of the batch).")
     p.add_argument("--run", required=True, help="run directory (config.yaml, checkpoints/) or `mode export` directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch of prompts")
-    p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt)")
+    p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt); "
+                   "blank lines are skipped")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax; --top-k/--top-p unused)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
@@ -88,7 +89,7 @@ def _generate(argv) -> int:
         f = Path(a.prompt_file)
         if not f.is_file():
             raise ConfigError("--prompt-file", a.prompt_file, "an existing text file, one prompt per line")
-        prompts += f.read_text().splitlines()
+        prompts += [line for line in f.read_text().splitlines() if line.strip()]  # a blank line is no prompt
     if not prompts:
         raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
     try:
@@ -120,7 +121,7 @@ def _data(argv) -> int:
     if not argv or argv[0] != "prepare":
         print("usage: mode data prepare --config F [--force] [dotted.key=value ...]", file=sys.stderr)
         return 2
-    p = argparse.ArgumentParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
+    p = _OneLineParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
                                 "memory-mapped shards under data.prepared_dir (training then only reads them).")
     p.add_argument("--config", required=True)
     p.add_argument("--force", action="store_true", help="rebuild a stale prepared directory (only that one)")

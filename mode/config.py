@@ -242,6 +242,8 @@ class DataConfig:
     """Column holding the document text (json/parquet/hub)."""
     hub_split: str = "train"
     """Split to read from a hub dataset."""
+    hub_config: str = ""
+    """Configuration (subset) name of a hub dataset, passed to `datasets.load_dataset` as `name=` (e.g. `wikitext-103-raw-v1`, c4's `en`); also selects a config of a local dataset repository directory (a clone whose README.md lists `configs:`); empty = the dataset's default config."""
     sample_by: str = "document"
     """How a text file becomes documents (the `datasets` text builder): `document` (a whole file), `paragraph` (blocks separated by a blank line) or `line`."""
     val_source: str = ""
@@ -401,7 +403,8 @@ class PerfConfig:
     """Peak TFLOP/s per device that perf/mfu divides by; 0 = the datasheet value for A100/H100/H200 at deepspeed.precision, on CPU a matmul measured at start."""
 
     def validate(self) -> None:
-        _check(self.peak_tflops >= 0, "perf.peak_tflops", self.peak_tflops, ">= 0 (0 = automatic)")
+        _check(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0, "perf.peak_tflops", self.peak_tflops,
+               "a finite number >= 0 (0 = automatic)")
 
 
 @dataclass

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from mode.config import Config, ConfigError, DataConfig
-from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, prepare,  # noqa: F401
-                          read_manifest, stdlib_files)
+from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, count_tokens,  # noqa: F401
+                          prepare, prepared_path, read_manifest, stdlib_files)
 
 _M64 = (1 << 64) - 1
 
@@ -120,20 +120,29 @@ def open_prepared(cfg: DataConfig, progress: bool = False):
     return path, manifest
 
 
-def check_data(cfg: Config) -> Path:
+def check_data(cfg: Config, write: bool = True) -> Path:
     """The pre-launch data check: the tokenizer fits the model, the data is prepared (preparing it
     now if not: every bad input is found here, before any worker starts or run.dir is written),
-    the manifest matches the config, and each split holds at least one sequence."""
+    the manifest matches the config, and each split holds at least one sequence. `write=False`
+    (`--print-config`) makes the same checks without preparing: unprepared sources are read only
+    until each split holds one sequence. Returns the prepared directory (existing or not)."""
     tok = build_tokenizer(cfg.data)
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
-    path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)
     S = cfg.data.seq_len
+    if write:
+        path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)
+    else:
+        path = prepared_path(cfg.data)
+        manifest = read_manifest(path)
+        if manifest is not None:
+            check_manifest(cfg.data, path, manifest, tok)
+    tokens = ({split: manifest["splits"][split]["tokens"] for split in ("train", "val")} if manifest is not None
+              else count_tokens(cfg.data, tok, S + 1))
     for split in ("train", "val"):
-        n = manifest["splits"][split]["tokens"]
-        if n < S + 1:
-            raise ConfigError("data.seq_len", S, f"< the {split} split's {n} tokens ({path}): a corpus shorter "
-                              "than one sequence; use a shorter data.seq_len or more data")
+        if tokens[split] < S + 1:
+            raise ConfigError("data.seq_len", S, f"< the {split} split's {tokens[split]} tokens ({path}): a corpus "
+                              "shorter than one sequence; use a shorter data.seq_len or more data")
     return path
 
 

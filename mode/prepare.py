@@ -16,18 +16,20 @@ clean. This module does not import torch: tokenizer workers start in a fraction 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 import sysconfig
 import time
 from collections import deque
 from dataclasses import asdict
+from fcntl import LOCK_EX, flock  # by name: a test replaces this module's flock only
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +42,9 @@ FORMAT = "mode-prepared-v1"
 EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
               ".jsonl": "json", ".parquet": "parquet"}
 # Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
-KEY_FIELDS = ("source", "format", "text_key", "hub_split", "sample_by", "val_source", "tokenizer", "eos_token",
-              "val_fraction", "max_documents", "split_seed")
+# hub_config is left out while empty: data prepared before the key existed keeps its directory.
+KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
+              "eos_token", "val_fraction", "max_documents", "split_seed")
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
@@ -197,6 +200,24 @@ def source_files(spec: str, key: str) -> list[str]:
     return files
 
 
+def is_dataset_repo(spec: str) -> bool:
+    """A local directory laid out as a hub dataset repository (a clone): its README.md's YAML header
+    lists `configs:`, so `datasets` reads it by config and split like the hub dataset."""
+    readme = Path(spec).expanduser() / "README.md"
+    if not readme.is_file():
+        return False
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return False
+    import yaml
+
+    try:
+        header = yaml.safe_load(text[3:].split("\n---", 1)[0])
+    except yaml.YAMLError:
+        return False
+    return isinstance(header, dict) and "configs" in header
+
+
 def _format(cfg: DataConfig, files: list[str], key: str, spec: str) -> str:
     if cfg.format != "auto":
         return cfg.format
@@ -241,15 +262,19 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     spec = getattr(cfg, which)
     hub_split = cfg.hub_split
     if which == "val_source" and not looks_local(spec):  # a split of the hub source
-        if looks_local(cfg.source) or cfg.source == "stdlib":
+        if (looks_local(cfg.source) or cfg.source == "stdlib") and not is_dataset_repo(cfg.source):
             raise ConfigError(key, spec, "an existing file, directory or glob (a split name needs a hub data.source)")
         spec, hub_split = cfg.source, cfg.val_source
+    repo = is_dataset_repo(spec)
     files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
     held = [f for f in files if Path(f).stem.lower() in ("validation", "valid", "val", "dev", "test")]
-    if which == "source" and not cfg.val_source and held and spec != "stdlib":
+    if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
         print(f"warning: data.source={spec} includes {held[0]}, read as training documents like every file; "
               f"set data.val_source={held[0]} to make it the validation set", file=sys.stderr)
-    if looks_local(spec) or spec == "stdlib":
+    if cfg.hub_config and not repo and (looks_local(spec) or spec == "stdlib"):
+        raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
+                          "of a hub dataset or of a local dataset repository whose README.md lists `configs:`)")
+    if (looks_local(spec) or spec == "stdlib") and not repo:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
         fmt = _format(cfg, files, key, spec)
@@ -261,15 +286,19 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         except Exception as e:  # noqa: BLE001
             raise ConfigError(key, spec, f"readable {fmt} files ({_first_line(e)})") from None
         desc = {"kind": "local", "spec": spec, "format": fmt, "files": len(files)}
-    else:
+    else:  # a hub dataset, or a local clone of one: the same `load_dataset(spec, name=, split=)` call
         try:
-            ds = datasets.load_dataset(spec, split=hub_split, streaming=True)
-        except Exception as e:  # noqa: BLE001 - offline, no such dataset or split: one line, no traceback
-            k, v = ("data.hub_split", hub_split) if which == "source" else (key, cfg.val_source)
-            if "split" not in str(e).lower():
-                k, v = key, spec
-            raise ConfigError(k, v, f"a local file/dir/glob or a reachable hub dataset and split ({_first_line(e)})") from None
-        desc = {"kind": "hub", "name": spec, "split": hub_split}
+            ds = datasets.load_dataset(spec, name=cfg.hub_config or None, split=hub_split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - offline, no such dataset, config or split: one line, no traceback
+            msg = " ".join(str(e).split())
+            if "config" in msg.lower() and "reach" not in msg.lower():  # no such config, or one must be named
+                raise ConfigError("data.hub_config", cfg.hub_config, f"a config of {spec} ({msg[:300]})") from None
+            k, v = "data.source", cfg.source
+            if "split" in msg.lower():
+                k, v = ("data.hub_split", hub_split) if which == "source" else (key, cfg.val_source)
+            raise ConfigError(k, v, "a local file/dir/glob or a reachable hub dataset and split "
+                              f"({_first_line(e)})") from None
+        desc = {"kind": "repo" if repo else "hub", "name": spec, "config": cfg.hub_config, "split": hub_split}
     it = iter(ds)
     try:
         first = next(it, None)
@@ -436,7 +465,7 @@ def val_mask(first_index: int, n: int, fraction: float, seed: int) -> np.ndarray
 
 def data_keys(cfg: DataConfig) -> dict:
     d = asdict(cfg)
-    return {k: d[k] for k in KEY_FIELDS}
+    return {k: d[k] for k in KEY_FIELDS if d[k] != "" or k != "hub_config"}
 
 
 def prepared_path(cfg: DataConfig) -> Path:
@@ -456,8 +485,9 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     why = []
     if manifest.get("format") != FORMAT:
         why.append(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
-    old = manifest.get("data", {})
-    why += [f"data.{k}: {old.get(k)!r} -> {v!r}" for k, v in data_keys(cfg).items() if old.get(k) != v]
+    old, new = manifest.get("data", {}), data_keys(cfg)
+    why += [f"data.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
     if manifest.get("tokenizer", {}).get("sha256") != tok.identity["sha256"]:
         why.append("the tokenizer file changed")
     if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:
@@ -476,15 +506,83 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
                           "`mode data prepare --config F --force` (it replaces only that directory)")
 
 
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # e.g. Lustre mounted without -o flock, NFS without lockd
+
+
 @contextlib.contextmanager
 def _lock(path: Path):
-    """Exclusive lock (flock) on `<dir>.lock`: one process prepares, the others wait for it."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """Exclusive lock on `<dir>.lock`: one process prepares, the others wait for it. The file holds
+    the holder's pid and host and exists only while held: its holder deletes it on the way out,
+    failed or not (a killed holder's file stays: harmless under flock, which the kernel released).
+    Where the filesystem has no flock, the file's creation (O_EXCL) is the lock."""
+    while True:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(path, os.O_RDWR), False
+            except FileNotFoundError:
+                continue  # its holder just deleted it
+        try:
+            flock(fd, LOCK_EX)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in NO_FLOCK:
+                raise
+            yield from _exclusive_file_lock(path, created)
+            return
+        # The holder we waited for deleted the file; a newcomer may hold a new one at the same path.
+        if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while still holding it: a waiter on this file sees it gone and retries
+        os.close(fd)
+
+
+def _exclusive_file_lock(path: Path, created: bool):
+    """The lock without flock: whoever creates the file holds it. A file naming a pid of this host
+    that is no longer running is a killed holder's: taken over. Others are waited for."""
+    told = False
+    while not created:
+        try:
+            holder = path.read_text()
+        except FileNotFoundError:
+            holder = ""
+        pid, _, host = holder.strip().partition(" ")
+        if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                if path.read_text() == holder:  # still the dead holder's (narrows the race of two takers)
+                    path.unlink()
+        elif not told and holder:
+            print(f"waiting for {path} (held by pid {pid} on {host or '?'}; delete it if that process is gone)",
+                  file=sys.stderr, flush=True)
+            told = True
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            created = True
+        except FileExistsError:
+            time.sleep(0.2)
+    path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _remove_ours(path: Path) -> None:
@@ -606,13 +704,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     val.close()
     if bar is not None:
         bar.close()
-    if train.tokens == 0:
-        raise ConfigError("data.source", cfg.source, "a corpus with at least one non-empty training document")
-    if val.tokens == 0:
-        if cfg.val_source:
-            raise ConfigError("data.val_source", cfg.val_source, "a source with at least one non-empty document")
-        raise ConfigError("data.val_fraction", cfg.val_fraction, f"a fraction that holds out at least one of the "
-                          f"{train.documents} documents (or set data.val_source)")
+    _refuse_empty(cfg, train.tokens, val.tokens, train.documents)
     for f in (PROGRESS, "val_hashes.npy"):
         (tmp / f).unlink(missing_ok=True)
     dt = time.perf_counter() - t0
@@ -623,6 +715,49 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             "train_documents_dropped_as_validation_duplicates": dup,
             "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
             "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+
+
+def _refuse_empty(cfg: DataConfig, train_tokens: int, val_tokens: int, train_documents: int) -> None:
+    if train_tokens == 0:
+        raise ConfigError("data.source", cfg.source, "a corpus with at least one non-empty training document")
+    if val_tokens == 0:
+        if cfg.val_source:
+            raise ConfigError("data.val_source", cfg.val_source, "a source with at least one non-empty document")
+        raise ConfigError("data.val_fraction", cfg.val_fraction, f"a fraction that holds out at least one of the "
+                          f"{train_documents} documents (or set data.val_source)")
+
+
+def count_tokens(cfg: DataConfig, tok, enough: int) -> dict:
+    """The checks of a prepare without its work (`mode train --print-config`): the sources are opened
+    and read as a prepare reads them, but only until each split holds `enough` tokens, and nothing is
+    written. Returns the tokens counted per split (the exact totals when a split has fewer)."""
+    count = {"train": 0, "val": 0}
+    documents = 0
+
+    def take(split, texts):
+        nonlocal documents
+        for t in texts:
+            if t.strip():  # as _batches: empty documents carry no text
+                count[split] += len(tok.encode(t)) + 1
+                documents += split == "train"
+            if count[split] >= enough:
+                return
+
+    if cfg.val_source:  # (training documents that duplicate validation ones are not looked for here)
+        val_docs, _, val_files = open_documents(cfg, "val_source")
+        docs, _, _ = open_documents(cfg, "source", tuple(os.path.abspath(f) for f in val_files))
+        take("val", val_docs)
+        take("train", docs)
+    else:
+        docs, _, _ = open_documents(cfg, "source")
+        texts = (t for t in docs if t.strip())
+        for i, t in enumerate(texts):
+            split = "val" if val_mask(i, 1, cfg.val_fraction, cfg.split_seed)[0] else "train"
+            take(split, [t])
+            if min(count.values()) >= enough:
+                break
+    _refuse_empty(cfg, count["train"], count["val"], documents)
+    return count
 
 
 def _resume_state(tmp: Path, key: dict) -> dict | None:

@@ -113,16 +113,17 @@ def check_build_locks() -> None:
                           f"it forever): remove it with `rm {lock}` and start again")
 
 
-def preflight(cfg: Config, lock: bool = True) -> dict | None:
+def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict | None:
     """Everything that can be checked before processes start (the launchers, `mode compare` and
     `--print-config` call it; so does every rank). Add new checks here: each raises ConfigError
-    and writes nothing. The data is prepared here if needed (mode.data.check_data). Returns the
+    and writes nothing. The data is prepared here if needed (mode.data.check_data), unless
+    `prepare_data=False` (`--print-config`: the same data checks, nothing written). Returns the
     saved config when resuming. `lock=False` skips the one-writer check (a launcher on node R > 0
     may start after rank 0 took the lock)."""
     check_backend(cfg)
     check_loggers(cfg)
     check_build_locks()
-    check_data(cfg)
+    check_data(cfg, write=prepare_data)
     return check_run_dir(cfg, lock)
 
 
@@ -425,7 +426,8 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="mode train", description="Train a model from a YAML config.")
     p.add_argument("--config", required=True)
-    p.add_argument("--print-config", action="store_true", help="check the config as a start would, print it, exit")
+    p.add_argument("--print-config", action="store_true", help="check the config and the data as a start would "
+                   "(without preparing the data or writing anything), print it, exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -438,7 +440,7 @@ def _main(argv) -> int:
     try:
         cfg = load_config(a.config, a.overrides)
         cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
-        preflight(cfg)
+        preflight(cfg, prepare_data=not a.print_config)
         if a.print_config:
             print(dump_config(cfg), end="")
             return 0

@@ -84,6 +84,7 @@ OVERRIDES = [
     ("checkpoint.every=-1", ["checkpoint.every=-1"]),
     ("checkpoint.keep=0", ["checkpoint.keep=0"]),
     ("log.progress=maybe", ["log.progress=maybe"]),
+    ("perf.peak_tflops=.inf", ["perf.peak_tflops=.inf"]),
     *[(f"deepspeed.zero_stage={v}", [f"deepspeed.zero_stage={v}"]) for v in ("3", "4")],
     ("deepspeed.precision=fp16", ["deepspeed.precision=fp16"]),
     ("run.fresh=maybe", ["run.fresh=maybe"]),

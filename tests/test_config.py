@@ -76,3 +76,14 @@ def test_every_field_documented():
 def test_readme_config_reference_is_current():
     readme = (ROOT / "README.md").read_text()
     assert markdown_reference().strip() in readme, "regenerate: python -m mode.config --markdown"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_peak_tflops_must_be_finite_and_non_negative_also_from_python(value):
+    """YAML and overrides refuse non-finite floats while parsing; a PerfConfig built in Python is
+    checked by validate() alone."""
+    from mode.config import PerfConfig
+
+    with pytest.raises(ConfigError, match=r"^config error: perf.peak_tflops=.*: a finite number >= 0"):
+        PerfConfig(peak_tflops=value).validate()
+    PerfConfig(peak_tflops=989.0).validate()

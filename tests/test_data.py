@@ -273,9 +273,14 @@ def test_interrupted_prepare_resumes_after_its_last_complete_shard(corpus, tmp_p
     assert not (set(documents(out, "train")) & set(documents(out, "val")))
 
 
-def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, monkeypatch):
-    """Every rank calls prepare at start-up: the lock lets one build, the others get its result."""
+@pytest.mark.parametrize("fs", ["flock", "no_flock"])
+def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, monkeypatch, fs):
+    """Every rank calls prepare at start-up: the lock lets one build, the others get its result
+    (also where flock is not supported and the lock file's creation is the lock)."""
     import threading
+
+    if fs == "no_flock":
+        _no_flock(monkeypatch)
 
     calls, real = [], prep._write_shards
 
@@ -293,6 +298,134 @@ def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, mo
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(out) == 3 and len(set(out)) == 1 and prep.read_manifest(out[0])
+    assert not list(out[0].parent.glob("*.lock"))
+
+
+def _repo(tmp_path) -> tuple[Path, dict]:
+    """A local dataset repository laid out as on the hub: two configs, each with its own files and
+    train/validation splits, listed in README.md's YAML header (what `load_dataset(dir, name=)` reads)."""
+    d = tmp_path / "repo"
+    docs = {c: {sp: [f"{c} {sp} document {i} " * (3 + i) for i in range(n)]
+                for sp, n in (("train", 12), ("validation", 3))} for c in ("alpha", "beta")}
+    for c, splits in docs.items():
+        (d / c).mkdir(parents=True)
+        for sp, texts in splits.items():
+            (d / c / f"{sp}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    (d / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+        f"  - split: validation\n    path: {c}/validation.jsonl\n" for c in docs) + "---\n# two configs\n")
+    return d, docs
+
+
+def test_hub_config_picks_the_configuration(tmp_path):
+    """data.hub_config goes to `load_dataset(..., name=)`: each config's own documents are written,
+    into a directory of their own (it is a data key), and a hub split as val_source reads that config."""
+    d, docs = _repo(tmp_path)
+    paths = {}
+    for c in ("alpha", "beta"):
+        cfg = dcfg(tmp_path, source=str(d), hub_config=c, val_source="validation")
+        paths[c] = prep.prepare(cfg, progress=False)
+        assert sorted(documents(paths[c], "train")) == sorted(docs[c]["train"])
+        assert sorted(documents(paths[c], "val")) == sorted(docs[c]["validation"])
+        m = prep.read_manifest(paths[c])
+        assert m["data"]["hub_config"] == c and m["source"]["config"] == c
+    assert paths["alpha"] != paths["beta"]
+    with pytest.raises(ConfigError, match=r"^config error: data.hub_config='gamma': a config of .*'alpha', 'beta'"):
+        prep.prepare(dcfg(tmp_path, source=str(d), hub_config="gamma"), progress=False)
+    with pytest.raises(ConfigError, match=r"^config error: data.hub_config='': a config of .*missing"):
+        prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)  # several configs: one must be named
+    with pytest.raises(ConfigError, match=r"^config error: data.hub_config='en': empty for local files"):
+        prep.prepare(dcfg(tmp_path, source=str(d / "alpha"), hub_config="en"), progress=False)
+
+
+def test_hub_config_is_part_of_the_prepared_data_identity(tmp_path):
+    """Two configs differing only in hub_config never share a prepared directory, and a manifest
+    written without it is refused with it (copied by hand into the other's place)."""
+    plain = dcfg(tmp_path, source="allenai/c4")
+    en, de = (dcfg(tmp_path, source="allenai/c4", hub_config=c) for c in ("en", "de"))
+    assert len({prep.prepared_path(c) for c in (plain, en, de)}) == 3
+    assert prep.data_keys(en)["hub_config"] == "en" and "hub_config" not in prep.data_keys(plain)
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("some document " * 30)
+    (d / "b.txt").write_text("another document " * 30)
+    made = prep.prepare(dcfg(tmp_path, source=str(d), val_fraction=0.5), progress=False)
+    m = prep.read_manifest(made)
+    with pytest.raises(ConfigError, match=r"is stale \(data.hub_config: None -> 'en'"):
+        prep.check_manifest(dcfg(tmp_path, source=str(d), val_fraction=0.5, hub_config="en"), made, m,
+                            ByteTokenizer())
+
+
+def test_unreachable_hub_name_with_a_config_is_one_line_naming_the_source(tmp_path, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # unreachable, without waiting
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    for split in ("", "validation"):
+        cfg = dcfg(tmp_path, source="no-such-org-zz/no-such-dataset", hub_config="en", val_source=split)
+        with pytest.raises(ConfigError) as e:
+            prep.prepare(cfg, progress=False)
+        line = str(e.value)
+        assert "\n" not in line and line.startswith("config error: data.source='no-such-org-zz/no-such-dataset': ")
+    assert not list((tmp_path / "prepared").iterdir())  # nothing left, the lock file included
+
+
+def _no_flock(monkeypatch):
+    """A filesystem without flock (Lustre mounted without -o flock): flock raises ENOSYS."""
+    import errno
+
+    def flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(prep, "flock", flock)  # this module's only: `datasets`' own file locks keep working
+
+
+@pytest.mark.parametrize("fs", ["flock", "no_flock"])
+def test_a_failed_prepare_leaves_no_lock_file(tmp_path, monkeypatch, fs):
+    if fs == "no_flock":
+        _no_flock(monkeypatch)
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "docs.jsonl").write_text(json.dumps({"body": "x"}))
+    with pytest.raises(ConfigError, match="data.text_key"):
+        prep.prepare(dcfg(tmp_path, source=str(d / "docs.jsonl")), progress=False)
+    assert not list((tmp_path / "prepared").iterdir())
+    # and a lock file left by an older version (a previous success) is used, then removed
+    cfg = dcfg(tmp_path, source=str(d / "docs.jsonl"), text_key="body", val_fraction=0.5)
+    lock = prep.prepared_path(cfg).parent / f"{prep.prepared_path(cfg).name}.lock"
+    if fs == "flock":
+        lock.write_text("")
+    with pytest.raises(ConfigError, match="at least one"):  # one document: not enough for two splits
+        prep.prepare(cfg, progress=False)
+    assert not lock.exists() and not list((tmp_path / "prepared").iterdir())
+
+
+def test_without_flock_a_lock_file_of_a_dead_process_is_taken_over_and_a_live_one_waited_for(
+        corpus, tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    _no_flock(monkeypatch)
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = prep.prepared_path(cfg)
+    lock = out.parent / f"{out.name}.lock"
+    out.parent.mkdir(parents=True)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text())  # pids are below pid_max: none runs as it
+    lock.write_text(f"{dead} {socket.gethostname()}\n")
+    assert prep.prepare(cfg, progress=False) == out and not lock.exists()
+    # a live holder (this process, as another prepare would be) is waited for
+    cfg2 = dcfg(tmp_path, source=str(corpus / "docs.parquet"), split_seed=5)
+    out2 = prep.prepared_path(cfg2)
+    lock2 = out2.parent / f"{out2.name}.lock"
+    lock2.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    t = threading.Thread(target=prep.prepare, args=(cfg2,), kwargs={"progress": False})
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and not out2.exists()
+    lock2.unlink()  # the holder finishes
+    t.join(30)
+    assert not t.is_alive() and prep.read_manifest(out2) and not lock2.exists()
 
 
 def test_embedded_default_corpus_exists(tmp_path):
@@ -307,6 +440,7 @@ def test_embedded_default_corpus_exists(tmp_path):
 
 
 def _bad_inputs(tmp_path):
+    """(overrides, the error line's needle, setup(common args) run first or None) of every bad data input."""
     d = tmp_path / "bad"
     d.mkdir()
     (d / "empty.txt").write_text("")
@@ -314,23 +448,41 @@ def _bad_inputs(tmp_path):
     (d / "bin.txt").write_bytes(b"text\0\1\2binary")
     (d / "latin1.txt").write_bytes("caf\xe9 ol\xe9".encode("latin-1"))
     (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    repo, _ = _repo(tmp_path)
+    tok = _bpe(tmp_path)
+    stale = [f"data.source={d}/docs.jsonl", "data.text_key=body", f"data.tokenizer={tok}"]
+
+    def prepared_then_tokenizer_changed(common):
+        from mode.cli import main as cli_main
+
+        assert cli_main(["data", "prepare", *common, *stale]) == 0
+        _bpe(tmp_path, vocab=280)  # tokenizer.json rewritten (retrained) after its data was prepared
+
     return [
-        ([f"data.source={d}/missing.txt"], "config error: data.source="),
-        ([f"data.source={d}/*.nomatch"], "config error: data.source="),
-        ([f"data.source={d}/docs.jsonl"], "config error: data.text_key='text': one of the source's columns ['body']"),
-        ([f"data.source={d}/empty.txt"], "config error: data.source="),
-        ([f"data.source={d}/short.txt", "data.val_source=" + f"{d}/short.txt"], "config error: data.source="),
+        ([f"data.source={d}/missing.txt"], "config error: data.source=", None),
+        ([f"data.source={d}/*.nomatch"], "config error: data.source=", None),
+        ([f"data.source={d}/docs.jsonl"], "config error: data.text_key='text': one of the source's columns ['body']",
+         None),
+        ([f"data.source={d}/empty.txt"], "config error: data.source=", None),
+        ([f"data.source={d}/short.txt", "data.val_source=" + f"{d}/short.txt"], "config error: data.source=", None),
         ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.seq_len=4000", "model.max_seq_len=4096"],
-         "config error: data.seq_len=4000: < the val split's"),
-        ([f"data.source={d}/bin.txt"], "is binary (NUL byte at 4)"),
-        ([f"data.source={d}/latin1.txt"], "latin1.txt is not UTF-8 (byte 3)"),
-        (["data.source=no-such-org-zz/no-such-dataset"], "config error: data.source='no-such-org-zz/no-such-dataset'"),
+         "config error: data.seq_len=4000: < the val split's", None),
+        ([f"data.source={d}/bin.txt"], "is binary (NUL byte at 4)", None),
+        ([f"data.source={d}/latin1.txt"], "latin1.txt is not UTF-8 (byte 3)", None),
+        (["data.source=no-such-org-zz/no-such-dataset"], "config error: data.source='no-such-org-zz/no-such-dataset'",
+         None),
+        (["data.source=no-such-org-zz/no-such-dataset", "data.hub_config=en"],
+         "config error: data.source='no-such-org-zz/no-such-dataset'", None),
+        ([f"data.source={repo}", "data.hub_config=gamma"], "config error: data.hub_config='gamma': a config of", None),
         ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.val_source=validation"],
-         "config error: data.val_source='validation': an existing file"),
+         "config error: data.val_source='validation': an existing file", None),
+        (stale, "is stale (the tokenizer file changed", prepared_then_tokenizer_changed),
     ]
 
 
-def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("print_config", [False, True])
+def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, print_config):
+    """Through `mode train` (and `--print-config`, which makes the same checks without preparing)."""
     import datasets.config
     import huggingface_hub.constants
 
@@ -338,16 +490,58 @@ def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an unreachable hub, without waiting
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    for i, (overrides, needle) in enumerate(_bad_inputs(tmp_path)):
+    prepared = tmp_path / "prepared"
+    common = ["--config", str(ROOT / "configs/tiny/dense.yaml"), *TINY, f"data.prepared_dir={prepared}",
+              "data.num_workers=1", "data.max_documents=0"]
+    for i, (overrides, needle, setup) in enumerate(_bad_inputs(tmp_path)):
         run = tmp_path / f"run{i}"
-        rc = main(["--config", str(ROOT / "configs/tiny/dense.yaml"), *TINY, *overrides, f"run.dir={run}",
-                   f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=1", "data.max_documents=0"])
-        err = capsys.readouterr().err
+        if setup:
+            setup(common)
+        before = sorted(prepared.rglob("*")) if prepared.exists() else None
+        capsys.readouterr()
+        rc = main([*common, *overrides, f"run.dir={run}"] + (["--print-config"] if print_config else []))
+        out, err = capsys.readouterr()
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error:") and needle in lines[0], (overrides, err)
-        assert not run.exists()
-    # nothing half-prepared is left behind (the seq_len case prepared valid data: seq_len only cuts windows)
-    assert not list((tmp_path / "prepared").glob("*.tmp")) and len(list((tmp_path / "prepared").glob("*/"))) == 1
+        assert not run.exists() and not out
+        if print_config:  # not even the prepared directory is written
+            assert (sorted(prepared.rglob("*")) if prepared.exists() else None) == before, overrides
+    # nothing half-prepared is left behind, no lock file either (the seq_len case prepared valid data:
+    # seq_len only cuts windows; the stale case's data was prepared by its setup)
+    assert not list(prepared.glob("*.tmp")) and not list(prepared.glob("*.lock"))
+    assert len(list(prepared.glob("*/"))) == 1 + (not print_config)
+
+
+def test_print_config_writes_no_prepared_data(tmp_path, capsys, monkeypatch):
+    """`mode train --print-config` on a fresh source checks it (a wrong text_key is still its one line)
+    and prints the config, without creating data.prepared_dir."""
+    from mode.train import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    monkeypatch.chdir(tmp_path)  # the default data.prepared_dir is relative: data/prepared
+    args = ["--print-config", "--config", str(ROOT / "configs/tiny/dense.yaml"), *TINY, f"data.source={src}",
+            "data.num_workers=1", "run.dir=run"]
+    assert main(args + ["data.text_key=body"]) == 0
+    assert "text_key: body" in capsys.readouterr().out
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().startswith("config error: data.text_key='text': one of the source's")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # no data/, no run/
+    # the check it made is the one training makes: the same config then prepares and passes it
+    check_data(load_config(str(ROOT / "configs/tiny/dense.yaml"), [*TINY, f"data.source={src}", "data.text_key=body",
+                                                                   "data.num_workers=1"]))
+    assert (tmp_path / "data" / "prepared").is_dir()
+
+
+def test_data_prepare_bad_options_are_one_line(capsys):
+    from mode.cli import main as cli_main
+
+    for argv, needle in ((["data", "prepare"], "required: --config"),
+                         (["data", "prepare", "--config", "x.yaml", "--bogus"], "unrecognized arguments: --bogus")):
+        with pytest.raises(SystemExit) as e:
+            raise SystemExit(cli_main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
 
 
 @pytest.mark.slow

@@ -372,6 +372,23 @@ def test_cli_json_prompt_file_stop_and_greedy(run_dir, tmp_path, capsys):
     assert a == b
 
 
+def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
+    """Blank (or whitespace-only) lines of --prompt-file are no prompts; the others keep their text."""
+    d, model = run_dir
+    prompts = ["ab", "  x = 1", "def f("]
+    pf = tmp_path / "prompts.txt"
+    pf.write_text(f"\n{prompts[0]}\n\n   \n{prompts[1]}\n\t\n{prompts[2]}\n\n")
+    assert cli_main(["generate", "--run", str(d), "--prompt-file", str(pf), "--max-new-tokens", "4",
+                     "--temperature", "0", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    assert [r["completion"] for r in rows] == generate(model, ByteTokenizer(), prompts, 4, temperature=0)
+    pf.write_text("\n \n\n")  # nothing but blank lines: no prompt at all
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(cli_main(["generate", "--run", str(d), "--prompt-file", str(pf)]))
+    assert e.value.code == 2 and "at least one --prompt" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--run", "/nonexistent/run", "--prompt", "a"], "/nonexistent/run"),
     (["--prompt", "a"], "the following arguments are required: --run"),
