@@ -531,9 +531,13 @@ def _lock(path: Path):
                 raise
             yield from _exclusive_file_lock(path, created)
             return
-        # The holder we waited for deleted the file; a newcomer may hold a new one at the same path.
-        if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
-            break
+        # The holder we waited for deleted the file; a newcomer may hold a new one at the same path
+        # (and may delete it at any moment: no exists-then-stat).
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
     try:
         os.ftruncate(fd, 0)

@@ -291,13 +291,23 @@ def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, mo
 
     monkeypatch.setattr(prep, "_write_shards", counted)
     cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
-    out = []
-    threads = [threading.Thread(target=lambda: out.append(prep.prepare(cfg, progress=False))) for _ in range(3)]
+    out, errors = [], []
+
+    def rank():
+        try:
+            out.append(prep.prepare(cfg, progress=False))
+        except Exception as e:  # noqa: BLE001 - reported below: a waiter must never fail
+            errors.append(repr(e))
+
+    # Bug caught: a waiter that got the lock of a file its holder had replaced stat()ed the path
+    # after checking it exists, while the new holder could delete it in between (FileNotFoundError).
+    threads = [threading.Thread(target=rank) for _ in range(5)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and len(out) == 3 and len(set(out)) == 1 and prep.read_manifest(out[0])
+    assert not errors, errors
+    assert len(calls) == 1 and len(out) == 5 and len(set(out)) == 1 and prep.read_manifest(out[0])
     assert not list(out[0].parent.glob("*.lock"))
 
 
