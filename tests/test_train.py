@@ -153,3 +153,53 @@ def test_a_run_saved_before_a_key_existed_still_resumes():
     assert config_diff(old, new) == []
     new["data"]["sample_by"] = "line"
     assert config_diff(old, new) == ["data.sample_by: 'document' -> 'line'"]
+
+
+def _params_with_grads(seed: int, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 4), (4,), (3, 5, 2), (7,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    for p in ps:
+        p.grad = (3 * torch.randn(p.shape, generator=g)).to(dtype)
+    ps[2].allreduce = False  # an expert-parallel parameter: its norm goes through the expert path
+    return ps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype):
+    """The global gradient norm (over shared and expert parameters) and the clipped AdamW update
+    equal a float64 reference: torch's clip_grad_norm_ and torch's AdamW."""
+    import torch
+
+    from mode.engine import GuardedAdamW
+
+    dt = getattr(torch, dtype)
+    ps, ref = _params_with_grads(0, dt), _params_with_grads(0, torch.float64)
+    norm64 = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in _params_with_grads(0, dt))))
+    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={}, lr=0.1, weight_decay=0.0)
+    opt.step()
+    assert not opt.overflow and abs(opt._global_grad_norm - norm64) <= 1e-6 * norm64
+    assert norm64 > 1.0  # so the clip applies
+    for p, q in zip(ref, _params_with_grads(0, dt)):  # the reference starts from the same rounded values
+        p.data, p.grad = q.data.double(), q.grad.double()
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    torch.optim.AdamW(ref, lr=0.1, weight_decay=0.0).step()
+    tol = 1e-6 if dtype == "float32" else 1e-2  # bf16 parameters hold the update rounded to 8 bits
+    for p, r in zip(ps, ref):
+        assert torch.allclose(p.double(), r, atol=tol, rtol=tol)
+
+
+def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
+    import torch
+
+    from mode.engine import GuardedAdamW
+
+    ps = _params_with_grads(1, torch.float32)
+    ps[1].grad[2] = float("nan")
+    before = [p.detach().clone() for p in ps]
+    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={ps[1]: "blocks.0.norm.weight"}, lr=0.1)
+    opt.step()
+    assert opt.overflow and opt.bad_params == ["blocks.0.norm.weight"]
+    assert all(p.grad is None for p in ps) and all(torch.equal(p, b) for p, b in zip(ps, before))
