@@ -86,6 +86,25 @@ def test_measured_cpu_peak_is_plausible():
     assert 1e-4 < t < 10  # one core: between 0.1 GFLOP/s and 10 TFLOP/s
 
 
+def test_cpu_peak_is_the_best_measured_on_this_machine(tmp_path):
+    """Bug caught: a peak measured while other jobs held the cores was 6x too low and MFU read
+    over 100%. The peak is the best of this run's measurement and the earlier ones (kept in the
+    virtualenv), so one busy moment cannot deflate it; a damaged cache is ignored, not trusted."""
+    import json
+
+    from mode.metrics import cpu_peak_tflops
+
+    cache = tmp_path / "mode_cpu_peak.json"
+    assert cpu_peak_tflops(0.12, cache)[0] == 0.12  # first run: its own measurement, remembered
+    peak, src = cpu_peak_tflops(0.02, cache)  # a busy moment
+    assert peak == 0.12 and "0.02 this run" in src
+    assert cpu_peak_tflops(0.15, cache)[0] == 0.15 and max(json.loads(cache.read_text()).values()) == 0.15
+    cache.write_text("{not json")
+    assert cpu_peak_tflops(0.05, cache)[0] == 0.05
+    assert cpu_peak_tflops(0.07, None)[0] == 0.07  # outside a virtualenv: nothing kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mode_cpu_peak.json"]  # no temporary left
+
+
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged"."""
     from mode.config import load_config
