@@ -125,8 +125,8 @@ def cpu_peak_tflops(measured: float, cache: Path | None) -> tuple[float, str]:
     import platform
 
     threads = torch.get_num_threads()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    info = Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), platform.processor())
     key = f"{cpu} | {os.cpu_count()} cpus | {threads} threads"
     seen = {}
     if cache is not None:
