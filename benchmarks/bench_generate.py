@@ -262,7 +262,7 @@ def main():
     calib = torch.randint(0, 257, (8, a.prompt), generator=g)
     models = {name: build(cfg, calib) for name, cfg in configs(a.d_model, a.layers, a.heads, a.d_ff,
                                                                   a.capacity).items()}
-    lines = [f"\n## Generation: decode tokens/s vs FLOP limit (`benchmarks/bench_generate.py`)\n",
+    lines = ["\n## Generation: decode tokens/s vs FLOP limit (`benchmarks/bench_generate.py`)\n",
              f"Shape: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, SwiGLU d_ff {a.d_ff}, vocab 320, "
              f"fp32; prompt {a.prompt} random tokens, {a.new} new tokens (sampled), MoD capacity {a.capacity} "
              f"every other layer, calibrated threshold. Machine: {platform.machine()} {os.cpu_count()} cores, "
