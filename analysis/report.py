@@ -482,6 +482,13 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
               "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
               "top-k routing. MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "
               "run_info.json); peak mem: the last perf/memory_gb.", ""]
+    over = [r for r in runs if (median_after_warmup(r, "perf/mfu") or 0.0) > 1.0]
+    if over:  # achieved FLOP/s above the peak: the peak, not the run, is wrong
+        lines += ["**MFU above 100%** in " + ", ".join(f"`{_rel(r.path, runs_dir)}` "
+                  f"({median_after_warmup(r, 'perf/mfu'):.0%} against "
+                  f"{r.info.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s)" for r in over)
+                  + ": their peak was measured below what they achieved (a CPU peak measured while other "
+                  "jobs held the cores); compare MFU across runs only with one `perf.peak_tflops` for all.", ""]
 
     lines += ["## Loss curves", ""]
     for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):

@@ -326,6 +326,26 @@ def _write_run(path: Path, name: str, seed: int, eval_loss: float, world: int = 
     (path / "DONE").write_text("{}")
 
 
+def test_mfu_above_100_percent_is_called_out(tmp_path):
+    """A run whose measured peak was deflated (MFU > 1) is named under the table with its peak."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    for name, mfu, peak in (("dense", 0.3, 0.12), ("mod", 1.54, 0.0197)):
+        _write_run(root / f"{name}_seed0", name, 0, 2.0)
+        info = json.loads((root / f"{name}_seed0" / "run_info.json").read_text())
+        info["peak_tflops_per_device"] = peak
+        (root / f"{name}_seed0" / "run_info.json").write_text(json.dumps(info))
+        w = SummaryWriter(str(root / f"{name}_seed0" / "tb"))
+        for step in (2, 4, 6):
+            w.add_scalar("perf/mfu", mfu, step)
+        w.close()
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**MFU above 100%** in `mod_seed0` (154% against 0.0197 TFLOP/s)" in md
+    assert "`dense_seed0` (" not in md
+
+
 def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     root = tmp_path / "runs"
     _write_run(root / "a" / "dense_seed0", "dense", 0, 2.0)
