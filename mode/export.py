@@ -34,8 +34,8 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         # The file the run's tokenizer was read from (a directory's, a tokenizer.json path or a
         # hub cache entry), its tokenizer_config.json beside it, and the EOS it resolved to,
         # written into the config so the export can never pick another one.
-        f = Path(tok.file)
-        tok_files = [f] + [p for p in [f.parent / "tokenizer_config.json"] if p.is_file()]
+        f, conf = Path(tok.file), Path(tok.file).parent / "tokenizer_config.json"
+        tok_files = [(f, "tokenizer.json")] + ([(conf, conf.name)] if conf.is_file() else [])
         cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
@@ -43,8 +43,8 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         save_weights(model, tmp / WEIGHTS)
         if tok_files:  # config.yaml names TOKENIZER_DIR, relative to the export dir; load_run resolves it
             (tmp / TOKENIZER_DIR).mkdir()
-            for f in tok_files:
-                shutil.copy2(f, tmp / TOKENIZER_DIR / ("tokenizer.json" if f is tok_files[0] else f.name))
+            for src, name in tok_files:
+                shutil.copy2(src, tmp / TOKENIZER_DIR / name)
         (tmp / "config.yaml").write_text(dump_config(cfg))
         info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(source),
                 "parameters": sum(p.numel() for p in model.parameters())}

@@ -754,8 +754,7 @@ def count_tokens(cfg: DataConfig, tok, enough: int) -> dict:
         take("train", docs)
     else:
         docs, _, _ = open_documents(cfg, "source")
-        texts = (t for t in docs if t.strip())
-        for i, t in enumerate(texts):
+        for i, t in enumerate(t for t in docs if t.strip()):  # numbered as prepare numbers documents
             split = "val" if val_mask(i, 1, cfg.val_fraction, cfg.split_seed)[0] else "train"
             take(split, [t])
             if min(count.values()) >= enough:
