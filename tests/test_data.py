@@ -15,7 +15,7 @@ import torch
 import mode.prepare as prep
 from mode.config import ConfigError, DataConfig, load_config
 from mode.data import ByteTokenizer, DataModule, check_data, permute, stdlib_files
-from tests.util import PY, ROOT, TINY, env, mode_cli, scalars
+from tests.util import PY, ROOT, TINY, env, mode_cli, orphan_semaphores, process_group, scalars
 
 DOCS = [f"document number {i} " * (5 + i) for i in range(30)]
 
@@ -603,13 +603,23 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
         (d / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 150_000)))
     args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
             "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
+    sems = {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
     p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00001.bin")):
         time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)  # the CLI and its tokenizer workers, mid-way through shard 1
+    # SIGKILL the CLI and its tokenizer workers mid-way through shard 1, but not multiprocessing's
+    # resource tracker: it unlinks the pool's named semaphores once they are gone (killing it too
+    # left 6 in /dev/shm per run).
+    for pid, cmd in process_group(p.pid):
+        if "resource_tracker" not in cmd:
+            os.kill(pid, signal.SIGKILL)
     p.wait()
+    deadline = time.time() + 30
+    while any("resource_tracker" in cmd for _, cmd in process_group(p.pid)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not orphan_semaphores(sems), f"the killed prepare left semaphores: {orphan_semaphores(sems)}"
     assert not any((tmp_path / "p").glob("*/manifest.json")), "a killed prepare must not publish a manifest"
     (tmp,) = (tmp_path / "p").glob("*.tmp")
     done = json.loads((tmp / "progress.json").read_text())["train"]["shards"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,6 +43,31 @@ def leaked_shm(port: int) -> list[str]:
     """Shared-memory segments DeepSpeed's CPU comm op made for a run on `port` still in /dev/shm
     (mode.engine.shm_buffer names them; a finished run must leave none: 66 MB of RAM each)."""
     return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def process_group(pgid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process in process group `pgid`."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+                out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError):
+            pass  # exited while we looked
+    return out
+
+
+def orphan_semaphores(before: set[str]) -> list[str]:
+    """POSIX semaphores (multiprocessing's `sem.mp-*`) that appeared in /dev/shm since `before`
+    and that no live process maps: leaked, since sem_open maps each one it opens."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(re.findall(r"/dev/shm/(sem\.mp-\S+)", maps.read_text()))
+        except OSError:
+            pass
+    return sorted(p.name for p in Path("/dev/shm").glob("sem.mp-*") if p.name not in before | mapped)
 
 
 def deepspeed_train(nproc: int, config: str, *overrides, check=True, timeout=600) -> subprocess.CompletedProcess:
