@@ -167,10 +167,12 @@ def _params_with_grads(seed: int, dtype):
     return ps
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype):
+def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype, fused):
     """The global gradient norm (over shared and expert parameters) and the clipped AdamW update
-    equal a float64 reference: torch's clip_grad_norm_ and torch's AdamW."""
+    equal a float64 reference: torch's clip_grad_norm_ and torch's AdamW (per-tensor loop), with
+    the default loop and with the fused kernel that build_engine picks on CPU and CUDA."""
     import torch
 
     from mode.engine import GuardedAdamW
@@ -178,14 +180,14 @@ def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype):
     dt = getattr(torch, dtype)
     ps, ref = _params_with_grads(0, dt), _params_with_grads(0, torch.float64)
     norm64 = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in _params_with_grads(0, dt))))
-    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={}, lr=0.1, weight_decay=0.0)
+    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={}, lr=0.1, weight_decay=0.0, fused=fused)
     opt.step()
     assert not opt.overflow and abs(opt._global_grad_norm - norm64) <= 1e-6 * norm64
     assert norm64 > 1.0  # so the clip applies
     for p, q in zip(ref, _params_with_grads(0, dt)):  # the reference starts from the same rounded values
         p.data, p.grad = q.data.double(), q.grad.double()
     torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    torch.optim.AdamW(ref, lr=0.1, weight_decay=0.0).step()
+    torch.optim.AdamW(ref, lr=0.1, weight_decay=0.0, foreach=False).step()
     tol = 1e-6 if dtype == "float32" else 1e-2  # bf16 parameters hold the update rounded to 8 bits
     for p, r in zip(ps, ref):
         assert torch.allclose(p.double(), r, atol=tol, rtol=tol)

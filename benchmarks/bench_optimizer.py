@@ -1,0 +1,100 @@
+"""The optimizer step: torch AdamW's per-tensor loop (torch's CPU default), foreach and fused
+kernels inside GuardedAdamW, side by side on the same gradients; then whole training steps
+(forward + backward + optimizer) with the loop and with fused, interleaved, to show what the
+optimizer's share of a step is.
+
+    python benchmarks/bench_optimizer.py [--threads 1] [--reps 5] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+from common import append_results
+
+from mode.config import load_config
+from mode.engine import GuardedAdamW, param_groups
+from mode.model.lm import build_model
+
+KERNELS = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "data.seq_len=1024",
+        "model.max_seq_len=1024"]
+
+
+def model_and_opts(overrides):
+    cfg = load_config("configs/tiny/mod.yaml", overrides)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    opts = {k: GuardedAdamW(param_groups(model, 0.1), clip=1.0, names={}, lr=1e-4, **kw) for k, kw in KERNELS.items()}
+    return cfg, model, opts
+
+
+def best_of(fn, reps: int, inner: int = 1) -> float:
+    fn()  # warm-up (also creates the optimizer states)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t) / inner)
+    return min(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = []
+    for label, overrides in [("tiny MoD (configs/tiny/mod.yaml)", []), ("d_model 512, 4 layers, MoD", D512)]:
+        cfg, model, opts = model_and_opts(overrides)
+        params = list(model.parameters())
+        n = sum(p.numel() for p in params)
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt_ms = {k: 1e3 * best_of(o.step, a.reps, inner=5) for k, o in opts.items()}
+        # Whole steps: batch 1 x seq_len of random tokens, the loop vs fused, interleaved per rep.
+        S, V = cfg.data.seq_len, cfg.model.vocab_size
+        ids = torch.randint(0, V, (1, S + 1), generator=torch.Generator().manual_seed(0))
+
+        def step(opt):
+            out = model(ids[:, :-1], ids[:, 1:])
+            (out.loss + out.aux_loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step_ms = {"loop": [], "fused": []}
+        for k in step_ms:
+            step(opts[k])  # warm-up
+        for _ in range(a.reps):
+            for k in step_ms:
+                t = time.perf_counter()
+                step(opts[k])
+                step_ms[k].append(1e3 * (time.perf_counter() - t))
+        loop, fused = min(step_ms["loop"]), min(step_ms["fused"])
+        rows.append(f"| {label} | {n / 1e6:.2f}M / {len(params)} | {opt_ms['loop']:.2f} | {opt_ms['foreach']:.2f} | "
+                    f"{opt_ms['fused']:.2f} | {opt_ms['loop'] / opt_ms['fused']:.2f}x | {S} | {loop:.0f} | {fused:.0f} | "
+                    f"{loop / fused:.3f}x |")
+        print(rows[-1], flush=True)
+    load = os.getloadavg()
+    head = (f"\n## Optimizer step: AdamW per-tensor loop vs foreach vs fused (`benchmarks/bench_optimizer.py`)\n\n"
+            f"`python benchmarks/bench_optimizer.py --threads {a.threads} --reps {a.reps}`: {platform.machine()}, "
+            f"{os.cpu_count()} cores, torch {torch.__version__}, {a.threads} thread(s), fp32, GuardedAdamW (global-norm "
+            f"clip + AdamW); load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end. Optimizer: best of "
+            f"{a.reps} x 5 steps on fixed gradients. Training step: forward + backward + optimizer, batch 1 x S, "
+            f"best of {a.reps}, loop and fused interleaved.\n\n"
+            "| model | params / tensors | loop ms | foreach ms | fused ms | fused speedup | S | step ms (loop) | "
+            "step ms (fused) | step speedup |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    table = head + "\n".join(rows) + "\n"
+    print(table)
+    if a.write:
+        append_results(table)
+
+
+if __name__ == "__main__":
+    main()
