@@ -61,6 +61,7 @@ def inputs(B=3, seed=1):
 def test_capacity_k():
     assert capacity_k(0.125, 2048) == 256 and capacity_k(0.125, 4) == 1 and capacity_k(1.0, 7) == 7
     assert capacity_k(0.01, 10) == 1  # never zero tokens
+    assert capacity_k(0.3, 7) == 2 and capacity_k(0.4, 7) == 3  # 2.1 and 2.8: rounded, not ceil or floor
 
 
 def test_capacity_one_gate_one_reproduces_wrapped_block_exactly():
@@ -250,6 +251,34 @@ def test_aux_loss_trains_the_router():
         return model.blocks[1].router.router.weight.grad.clone()
 
     assert not torch.equal(router_grad(0.0), router_grad(1.0))
+
+
+@pytest.mark.parametrize("causal", ["predictor", "aux_loss", "both"])
+def test_causal_losses_target_the_topk_membership(causal):
+    """Bug caught: a predictor or router BCE trained against the wrong target (inverted, or not
+    the top-k of the full sequence). Reference: membership from a per-row sort in plain Python,
+    the BCE written out in float64."""
+    blk = mod_block(capacity=0.25, causal=causal, aux_loss_weight=0.3, predictor_loss_weight=0.7)
+    x, pos = inputs()
+    blk(x, Ctx(pos))
+    r = blk.router.scores(x).detach().double()
+    member = torch.zeros_like(r)
+    for b in range(r.shape[0]):
+        member[b, sorted(range(S), key=lambda j: -float(r[b, j]))[:capacity_k(0.25, S)]] = 1.0
+
+    def bce(logit, y):  # -[y log sigmoid(l) + (1 - y) log(1 - sigmoid(l))], averaged
+        return float(-(y * torch.log(torch.sigmoid(logit)) + (1 - y) * torch.log(1 - torch.sigmoid(logit))).mean())
+
+    aux = 0.0
+    assert float(blk.metrics["router_bce"]) == pytest.approx(bce(r, member), rel=1e-5)
+    if causal in ("aux_loss", "both"):
+        aux += 0.3 * bce(r, member)
+    if causal in ("predictor", "both"):
+        p = blk.router.predictor(x).squeeze(-1).detach().double()
+        assert float(blk.metrics["predictor_loss"]) == pytest.approx(bce(p, member), rel=1e-5)
+        assert float(blk.metrics["predictor_acc"]) == pytest.approx(float(((p > 0).double() == member).double().mean()))
+        aux += 0.7 * bce(p, member)
+    assert float(blk.aux_loss.detach()) == pytest.approx(aux, rel=1e-5)
 
 
 @pytest.mark.parametrize("layers,causal", [("every_other", "predictor"), ("every", "aux_loss"), ("every", "both")])
