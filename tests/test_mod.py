@@ -253,6 +253,23 @@ def test_aux_loss_trains_the_router():
     assert not torch.equal(router_grad(0.0), router_grad(1.0))
 
 
+def test_decode_step_never_processes_an_invalid_row():
+    """Bug caught: a decoding step that ignores `valid_BS` runs the block on a padding row and
+    appends its K/V to the cache. Every token is selected here (predictor bias +10), so only the
+    valid mask can keep row 1 out."""
+    from mode.model.layers import KVCache
+
+    blk = mod_block(capacity=0.25)
+    torch.nn.init.constant_(blk.router.predictor[2].bias, 10.0)
+    x, _ = inputs(B=2)
+    cache = KVCache(2, H, 4, D // H, torch.float32, "cpu")
+    valid_B1 = torch.tensor([[True], [False]])
+    out = blk(x[:, :1], Ctx(torch.zeros(2, 1, dtype=torch.long), valid_B1, cache, "causal"))
+    assert cache.len_B.tolist() == [1, 0]
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+    assert blk.last_engaged_BS.flatten().tolist() == [True, False]
+
+
 @pytest.mark.parametrize("causal", ["predictor", "aux_loss", "both"])
 def test_causal_losses_target_the_topk_membership(causal):
     """Bug caught: a predictor or router BCE trained against the wrong target (inverted, or not
