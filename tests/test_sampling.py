@@ -273,6 +273,31 @@ def test_threshold_is_an_ema_of_the_kth_largest_score():
     assert 0 < int(blk.last_selected_BS.sum()) < blk.last_selected_BS.numel()
 
 
+def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing():
+    # Bug caught: activation checkpointing re-runs each block's forward in backward, and the re-run
+    # stepped the EMA a second time (momentum m became m^2, threshold_updates counted double).
+    model = model_of("threshold", "model.mod.threshold_momentum=0.5").train()
+    model.activation_checkpointing = True
+    blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
+    lin = blk.router.router
+    scores = []
+    blk.register_forward_pre_hook(lambda mod, args: scores.append(
+        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    g = torch.Generator().manual_seed(0)
+    S = 32
+    k = round(0.125 * S)
+    expected = None
+    for _ in range(3):  # a different batch each micro-step: a repeated EMA step changes the value
+        out = model(torch.randint(0, 64, (4, S), generator=g))
+        r = scores[-1]  # the forward's scores (the re-run in backward appends a copy)
+        kth = sum(sorted(row.tolist(), reverse=True)[k - 1] for row in r) / r.shape[0]  # by hand
+        expected = kth if expected is None else 0.5 * expected + 0.5 * kth
+        out.logits.float().pow(2).mean().backward()
+    assert len(scores) == 6  # sanity: the block really was re-run in every backward
+    assert int(blk.router.threshold_updates) == 3
+    assert blk.router.threshold.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.slow
 def test_threshold_buffer_survives_an_exact_resume(tmp_path):
     over = [*TINY, "model.mod.causal=threshold", "train.max_steps=6", "train.eval_every=0", "checkpoint.every=3"]

@@ -5,6 +5,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from mode.model.blocks import AttnSublayer, Block, dense_mlp, moe_mlp
 from mode.model.layers import KVCache, RMSNorm, init_weights
 from mode.plan import LayerPlan, layer_plan
 from mode.routed import Ctx, Routed
+from mode.routing.depth import recomputing
 
 
 @dataclass
@@ -47,6 +49,12 @@ def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
         if m:
             new = prefix + m.group(1) + _NEW_SUBLAYER[m.group(2)] + k[len(prefix) + m.end():]
             state_dict[new] = state_dict.pop(k)
+
+
+def _recompute_contexts():
+    """(forward, re-run) contexts of a checkpointed block: the re-run in backward leaves running
+    statistics (the depth routers' threshold EMA) alone."""
+    return nullcontext(), recomputing()
 
 
 def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
@@ -91,7 +99,7 @@ class LM(nn.Module):
             ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
-                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False)
+                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False, context_fn=_recompute_contexts)
             else:
                 delta_BSD = block(x_BSD, ctx)
             x_BSD = x_BSD + delta_BSD  # every block returns its residual update
