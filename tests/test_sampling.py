@@ -184,6 +184,22 @@ def test_prefill_caches_hold_the_tokens_each_layer_processed(case):
     assert n_routed > 0 or case == "kv_all"
 
 
+def test_staged_kv_all_decodes_steps_that_select_no_row():
+    # Bug caught: with K/V from all, a decoding step that selects no row still runs the block on
+    # zero rows (every row's K/V goes to the cache), and the MoE combine crashed on zero tokens.
+    model = model_of("mode_staged", "model.mod.kv=all")
+    seen = []
+    for m in model.modules():
+        if isinstance(m, MoDBlock):
+            m.inner.mlp.mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:2]))
+    ids, tr = trace(model, PROMPTS, 9)
+    assert (0, 1) in seen  # sanity: some decoding step selected no row of some layer
+    T = tr.valid_BT.shape[1]
+    with torch.no_grad():
+        full = model(tr.tokens_BT[:, :T], routing="causal").logits.float()
+    assert max_diff_valid(tr.logits_BTV, full, tr.valid_BT) <= 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Decode that skips
 
