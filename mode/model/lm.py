@@ -5,7 +5,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -51,10 +51,19 @@ def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
             state_dict[new] = state_dict.pop(k)
 
 
-def _recompute_contexts():
-    """(forward, re-run) contexts of a checkpointed block: the re-run in backward leaves running
-    statistics (the depth routers' threshold EMA) alone."""
-    return nullcontext(), recomputing()
+@contextmanager
+def _rerun(block: nn.Module):
+    """Activation checkpointing's re-run of `block` in backward only rebuilds the tensors backward
+    needs. It is not a new micro-step (the threshold EMA stays), and what it records on the modules
+    (aux_loss, last_routing, DeepSpeed's l_aux: each holding the re-run's graph, and with it the
+    block's recomputed activations, until the next forward) is put back as the forward left it."""
+    saved = [(m, dict(vars(m))) for m in block.modules()]
+    try:
+        with recomputing():
+            yield
+    finally:  # also when checkpointing stops the re-run early (it raises once it has what it needs)
+        for m, attrs in saved:
+            vars(m).update(attrs)
 
 
 def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
@@ -99,7 +108,8 @@ class LM(nn.Module):
             ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
-                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False, context_fn=_recompute_contexts)
+                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False,
+                                       context_fn=lambda b=block: (nullcontext(), _rerun(b)))
             else:
                 delta_BSD = block(x_BSD, ctx)
             x_BSD = x_BSD + delta_BSD  # every block returns its residual update
