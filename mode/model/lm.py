@@ -51,19 +51,24 @@ def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
             state_dict[new] = state_dict.pop(k)
 
 
+# What a forward records on a module that holds its graph: the Routed protocol's aux_loss, the MoE
+# backends' last_routing (RouterGate.last), DeepSpeed's MOELayer.l_aux.
+_GRAPH_RECORDS = ("aux_loss", "last_routing", "last", "l_aux")
+
+
 @contextmanager
 def _rerun(block: nn.Module):
     """Activation checkpointing's re-run of `block` in backward only rebuilds the tensors backward
-    needs. It is not a new micro-step (the threshold EMA stays), and what it records on the modules
-    (aux_loss, last_routing, DeepSpeed's l_aux: each holding the re-run's graph, and with it the
-    block's recomputed activations, until the next forward) is put back as the forward left it."""
-    saved = [(m, dict(vars(m))) for m in block.modules()]
+    needs. It is not a new micro-step (the threshold EMA stays), and the records it leaves on the
+    modules (holding the re-run's graph, and with it the block's recomputed activations, until the
+    next forward) are put back as the forward left them."""
+    saved = [(m, {a: vars(m)[a] for a in _GRAPH_RECORDS if a in vars(m)}) for m in block.modules()]
     try:
         with recomputing():
             yield
     finally:  # also when checkpointing stops the re-run early (it raises once it has what it needs)
-        for m, attrs in saved:
-            vars(m).update(attrs)
+        for m, records in saved:
+            vars(m).update(records)
 
 
 def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
