@@ -163,6 +163,28 @@ def test_activation_checkpointing_same_numbers_less_saved_memory(variant):
     assert bytes_b < 0.5 * bytes_a, (bytes_a, bytes_b)
 
 
+def test_activation_checkpointing_rerun_leaves_the_modules_as_the_forward_left_them():
+    # Bug caught: the re-run of each block in backward recorded its own aux_loss / last_routing on
+    # the routed modules, and their graph kept every routed block's recomputed activations (the
+    # attention's q, k, v, the router and predictor inputs) alive until the next forward.
+    from mode.config import load_config
+    from mode.model import build_model
+    from mode.routed import Routed
+
+    cfg = load_config("configs/tiny/mode_staged.yaml", ["model.d_model=32", "model.n_heads=2", "model.d_ff=64"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    model.activation_checkpointing = True
+    out = model(*[torch.randint(0, 256, (2, 32))] * 2)
+    routed = [m for m in model.modules() if isinstance(m, Routed)]
+    left = [(m.aux_loss, getattr(m, "last_routing", None)) for m in routed]
+    assert all(a is None for a, _ in left)  # the LM took the losses (no autograd state survives a call)
+    (out.loss + out.aux_loss).backward()
+    after = [(m.aux_loss, getattr(m, "last_routing", None)) for m in routed]
+    assert all(a is b for pair, pair2 in zip(left, after) for a, b in zip(pair, pair2))  # the very same objects
+    assert any(r is not None for _, r in left)  # sanity: the MoE layers recorded their routing
+
+
 @pytest.mark.slow
 def test_activation_checkpointing_trains_identically(tmp_path):
     common = [*TINY, *STEPS, "model.mod.layers=every_other"]

@@ -184,6 +184,22 @@ def test_prefill_caches_hold_the_tokens_each_layer_processed(case):
     assert n_routed > 0 or case == "kv_all"
 
 
+def test_staged_kv_all_decodes_steps_that_select_no_row():
+    # Bug caught: with K/V from all, a decoding step that selects no row still runs the block on
+    # zero rows (every row's K/V goes to the cache), and the MoE combine crashed on zero tokens.
+    model = model_of("mode_staged", "model.mod.kv=all")
+    seen = []
+    for m in model.modules():
+        if isinstance(m, MoDBlock):
+            m.inner.mlp.mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:2]))
+    ids, tr = trace(model, PROMPTS, 9)
+    assert (0, 1) in seen  # sanity: some decoding step selected no row of some layer
+    T = tr.valid_BT.shape[1]
+    with torch.no_grad():
+        full = model(tr.tokens_BT[:, :T], routing="causal").logits.float()
+    assert max_diff_valid(tr.logits_BTV, full, tr.valid_BT) <= 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Decode that skips
 
@@ -271,6 +287,31 @@ def test_threshold_is_an_ema_of_the_kth_largest_score():
     tau = blk.router.threshold.item()
     assert torch.equal(blk.last_selected_BS, scores[-1] > tau)
     assert 0 < int(blk.last_selected_BS.sum()) < blk.last_selected_BS.numel()
+
+
+def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing():
+    # Bug caught: activation checkpointing re-runs each block's forward in backward, and the re-run
+    # stepped the EMA a second time (momentum m became m^2, threshold_updates counted double).
+    model = model_of("threshold", "model.mod.threshold_momentum=0.5").train()
+    model.activation_checkpointing = True
+    blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
+    lin = blk.router.router
+    scores = []
+    blk.register_forward_pre_hook(lambda mod, args: scores.append(
+        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    g = torch.Generator().manual_seed(0)
+    S = 32
+    k = round(0.125 * S)
+    expected = None
+    for _ in range(3):  # a different batch each micro-step: a repeated EMA step changes the value
+        out = model(torch.randint(0, 64, (4, S), generator=g))
+        r = scores[-1]  # the forward's scores (the re-run in backward appends a copy)
+        kth = sum(sorted(row.tolist(), reverse=True)[k - 1] for row in r) / r.shape[0]  # by hand
+        expected = kth if expected is None else 0.5 * expected + 0.5 * kth
+        out.logits.float().pow(2).mean().backward()
+    assert len(scores) == 6  # sanity: the block really was re-run in every backward
+    assert int(blk.router.threshold_updates) == 3
+    assert blk.router.threshold.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow

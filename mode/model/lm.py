@@ -5,6 +5,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from mode.model.blocks import AttnSublayer, Block, dense_mlp, moe_mlp
 from mode.model.layers import KVCache, RMSNorm, init_weights
 from mode.plan import LayerPlan, layer_plan
 from mode.routed import Ctx, Routed
+from mode.routing.depth import recomputing
 
 
 @dataclass
@@ -47,6 +49,26 @@ def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
         if m:
             new = prefix + m.group(1) + _NEW_SUBLAYER[m.group(2)] + k[len(prefix) + m.end():]
             state_dict[new] = state_dict.pop(k)
+
+
+# What a forward records on a module that holds its graph: the Routed protocol's aux_loss, the MoE
+# backends' last_routing (RouterGate.last), DeepSpeed's MOELayer.l_aux.
+_GRAPH_RECORDS = ("aux_loss", "last_routing", "last", "l_aux")
+
+
+@contextmanager
+def _rerun(block: nn.Module):
+    """Activation checkpointing's re-run of `block` in backward only rebuilds the tensors backward
+    needs. It is not a new micro-step (the threshold EMA stays), and the records it leaves on the
+    modules (holding the re-run's graph, and with it the block's recomputed activations, until the
+    next forward) are put back as the forward left them."""
+    saved = [(m, {a: vars(m)[a] for a in _GRAPH_RECORDS if a in vars(m)}) for m in block.modules()]
+    try:
+        with recomputing():
+            yield
+    finally:  # also when checkpointing stops the re-run early (it raises once it has what it needs)
+        for m, records in saved:
+            vars(m).update(records)
 
 
 def build_block(cfg: ModelConfig, lp: LayerPlan) -> nn.Module:
@@ -91,7 +113,8 @@ class LM(nn.Module):
             ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
-                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False)
+                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False,
+                                       context_fn=lambda b=block: (nullcontext(), _rerun(b)))
             else:
                 delta_BSD = block(x_BSD, ctx)
             x_BSD = x_BSD + delta_BSD  # every block returns its residual update

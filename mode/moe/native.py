@@ -51,7 +51,7 @@ def combine(out_MD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> 
     """y_t = sum_j w_tj * out[slot_tj], accumulated in fp32 (w is fp32); unkept routes point at
     the zero row and have weight 0."""
     T, K = slot_TK.shape
-    routed_TKD = out_MD.index_select(0, slot_TK.reshape(-1)).view(T, K, -1)
+    routed_TKD = out_MD.index_select(0, slot_TK.reshape(-1)).view(T, K, out_MD.shape[1])  # T may be 0
     if K == 1:
         return (routed_TKD[:, 0] * w_TK).to(out_MD.dtype)
     return (routed_TKD * w_TK[..., None]).sum(1).to(out_MD.dtype)

@@ -10,12 +10,29 @@ threshold (`r > tau`, tau an EMA of the k-th largest score seen in training; not
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModConfig
 from mode.routed import Cost
+
+
+_recomputing = False
+
+
+@contextmanager
+def recomputing():
+    """Activation checkpointing re-runs a block's forward during backward (mode/model/lm.py runs
+    the re-run under this): that is not a new micro-step, so the threshold EMA must not step again."""
+    global _recomputing
+    prev, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = prev
 
 
 def capacity_k(capacity: float, seq_len: int) -> int:
@@ -50,6 +67,8 @@ class DepthRouter(nn.Module):
     def update_threshold(self, r_BS: torch.Tensor, k: int) -> None:
         """One EMA step towards the mean (over rows and data-parallel ranks) of the k-th largest
         score; the first step takes the value itself. No host sync."""
+        if _recomputing:  # the checkpointed forward already stepped it
+            return
         kth = r_BS.detach().topk(k, dim=1).values[:, -1].mean()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()
