@@ -96,6 +96,10 @@ def test_rank_shards_are_disjoint_and_make_the_global_batch(corpus, tmp_path):
             assert not rows[0] & rows[1]
     # position is a pure function of the step: a restarted module continues identically
     assert torch.equal(DataModule(cfg, 1, 2).train_batch(5, 1, 2, 2)[0], ranks[1].train_batch(5, 1, 2, 2)[0])
+    # evaluation too: the ranks' halves are the world-1 eval batches, each window read once
+    for glob, *parts in zip(one.val_batches(3, 4), *(dm.val_batches(3, 2) for dm in ranks)):
+        assert torch.equal(torch.cat([x for x, _ in parts]), glob[0])
+        assert not torch.equal(parts[0][0], parts[1][0])
 
 
 def test_each_epoch_reads_every_window_once_in_a_new_order(corpus, tmp_path):

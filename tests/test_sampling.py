@@ -343,6 +343,16 @@ def test_moe_presets_log_eval_loss_causal(tmp_path):
 # 5. Sampler and CLI
 
 
+def test_temperature_samples_softmax_of_logits_over_temperature():
+    """Bug caught: logits scaled the wrong way (x T instead of / T). Reference: softmax(l / T) in
+    float64 against the frequencies of 20,000 draws (3-sigma < 0.011)."""
+    logits_BV = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20_000, 4)
+    gen = torch.Generator().manual_seed(0)
+    for T in (0.5, 2.0):
+        freq = torch.bincount(_sample(logits_BV, T, 0, gen), minlength=4).double() / 20_000
+        assert torch.allclose(freq, (logits_BV[0].double() / T).softmax(-1), atol=0.011), (T, freq)
+
+
 def test_top_p_and_top_k_sample_only_from_their_sets():
     g = torch.Generator().manual_seed(0)
     logits_BV = torch.randn(3, 20, generator=g) * 2
