@@ -146,9 +146,11 @@ def test_native_dropping_equals_bruteforce(policy, noops, balance, k, padded):
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_eval_capacity_padding_and_min_capacity():
-    """Eval mode uses eval_capacity_factor; padded tokens take no part in routing or capacity."""
-    cfg = model_cfg(num_experts=4, top_k=2, capacity_factor=1.0, eval_capacity_factor=0.25, min_capacity=3)
+@pytest.mark.parametrize("eval_cf", [0.25, 1.0])
+def test_eval_capacity_padding_and_min_capacity(eval_cf):
+    """Eval mode uses eval_capacity_factor; padded tokens take no part in routing or capacity.
+    At 0.25 min_capacity binds; at 1.0 there are free slots a padding route could take."""
+    cfg = model_cfg(num_experts=4, top_k=2, capacity_factor=1.0, eval_capacity_factor=eval_cf, min_capacity=3)
     m = native(cfg).eval()
     x = torch.randn(1, 20, 16)
     valid = torch.arange(20)[None] < 14
@@ -158,9 +160,23 @@ def test_eval_capacity_padding_and_min_capacity():
     assert kept_routes(m) == kept_ref
     torch.testing.assert_close(y[0], y_ref)
     assert (y[0, 14:] == 0).all() and not m.last_engaged_BS[0, 14:].any()
+    torch.testing.assert_close(m.metrics["dropped_tokens_frac"], met_ref["dropped_tokens_frac"].float())
     # The valid prefix alone routes identically: padding changed neither capacity nor ranks.
     torch.testing.assert_close(m(x[:, :14]), y[:, :14])
-    torch.testing.assert_close(m.metrics["dropped_tokens_frac"], met_ref["dropped_tokens_frac"].float())
+
+
+def test_router_jitter_only_while_training():
+    """Bug caught: multiplicative router jitter applied at evaluation (noisy, irreproducible eval
+    and sampling). Reference: the same layer with jitter 0."""
+    x = torch.randn(1, 24, 16)
+    y = {}
+    for jitter in (0.0, 0.5):
+        m = native(model_cfg(num_experts=4, top_k=2, capacity_factor=None, jitter=jitter), router_scale=1.0)
+        y[jitter, "eval"] = m.eval()(x)
+        torch.manual_seed(1)
+        y[jitter, "train"] = m.train()(x)
+    assert torch.equal(y[0.0, "eval"], y[0.5, "eval"])
+    assert not torch.allclose(y[0.0, "train"], y[0.5, "train"])  # the jitter is real: it moves training
 
 
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
