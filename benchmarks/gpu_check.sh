@@ -28,6 +28,9 @@ echo "== Speed modes: fp32/bf16 x eager/compiled, dense vs MoD (d_model 512, S 1
 timeout 120 $PY -m pytest -q tests/test_compile.py 2>&1 | tail -5 | tee -a "$OUT/bench_speed.txt"
 timeout 240 $PY benchmarks/bench_speed.py --batch 8 --reps 10 2>&1 | tee -a "$OUT/bench_speed.txt"
 
+echo "== Optimizer step: AdamW loop vs foreach vs fused, and whole steps (fused is what mode train uses)" | tee "$OUT/bench_optimizer.txt"
+timeout 90 $PY benchmarks/bench_optimizer.py --device cuda --reps 10 2>&1 | tee -a "$OUT/bench_optimizer.txt"
+
 echo "== MoE layers: native vs DeepSpeed vs MegaBlocks" | tee "$OUT/bench_moe.txt"
 timeout 150 $PY benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/bench_moe.txt"
 
