@@ -1,0 +1,182 @@
+"""Do the tests catch the bugs they are named after? Plant one bug at a time (a mutant) in a copy
+of the tree and run the fast tests that should catch it; a mutant the tests pass is a missed bug.
+
+    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~15 min for all on 2 cores
+
+Each mutant is a one-line change a real implementation could plausibly get wrong (the mistakes
+in ../shared/reference/ANCHORS.md and DESIGN.md's exact routing semantics among them). The copy
+lives in a temporary directory: the working tree is never edited. Not part of `make test`
+(it runs the fast tier dozens of times); results are recorded in RELIABILITY.md.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MOD = ["tests/test_mod.py", "tests/test_mod_variants.py", "tests/test_sampling.py"]
+MOE = ["tests/test_moe.py", "tests/test_mode.py", "tests/test_sampling.py", "tests/test_generate.py"]
+GEN = ["tests/test_sampling.py", "tests/test_generate.py"]
+FLOPS = ["tests/test_flops.py", "tests/test_mod_variants.py"]
+CKPT = ["tests/test_reliability.py"]
+
+# (name, file, original text, mutated text, tests that must catch it)
+MUTANTS = [
+    # Depth routing (Mixture-of-Depths)
+    ("top-k indices not sorted by position", "mode/routing/depth.py",
+     "scores_BS.topk(k, dim=1, sorted=False).indices.sort(dim=1).values", "scores_BS.topk(k, dim=1, sorted=True).indices", MOD),
+    ("k = ceil(capacity * S), not round", "mode/routing/depth.py",
+     "round(capacity * seq_len)", "int(capacity * seq_len + 0.999)", MOD),
+    ("gathered tokens get positions 0..K-1", "mode/mod.py",
+     "inner_ctx = Ctx(ctx.pos_BS.gather(1, idx_BK), valid_BK",
+     "inner_ctx = Ctx(torch.arange(idx_BK.shape[1], device=idx_BK.device).expand_as(idx_BK), valid_BK", MOD),
+    ("router weight off the gradient path", "mode/mod.py",
+     "self.gate(r_BS.gather(1, idx_BK))", "self.gate(r_BS.detach().gather(1, idx_BK))", MOD),
+    ("predictor without stop-gradient", "mode/routing/depth.py",
+     "self.predictor(x_BSD.detach())", "self.predictor(x_BSD)", MOD),
+    ("predictor trained on inverted targets", "mode/routing/depth.py",
+     "bce_p = F.binary_cross_entropy_with_logits(p_BS, member_BS)",
+     "bce_p = F.binary_cross_entropy_with_logits(p_BS, 1 - member_BS)", MOD),
+    ("causal routing ignores padding", "mode/mod.py",
+     "                sel_BS = sel_BS & ctx.valid_BS\n", "                pass\n", MOD),
+    ("padding slots add their update", "mode/mod.py",
+     "            upd_BKD = torch.where(valid_BK[..., None], upd_BKD, 0.0)  # padding slots add nothing\n",
+     "            pass\n", MOD),
+    ("decode step ignores invalid rows", "mode/mod.py",
+     "            sel_B = sel_B & ctx.valid_BS[:, 0]\n", "            pass\n", MOD),
+    ("decode takes the first N rows' positions", "mode/mod.py",
+     "ctx.pos_BS.index_select(0, rows_N)", "ctx.pos_BS[:N]", MOD),
+    ("threshold EMA momentum swapped", "mode/routing/depth.py",
+     "m * self.threshold + (1 - m) * kth", "(1 - m) * self.threshold + m * kth", MOD),
+    ("threshold tracks the largest score, not the k-th", "mode/routing/depth.py",
+     "kth = r_BS.detach().topk(k, dim=1).values[:, -1].mean()", "kth = r_BS.detach().topk(k, dim=1).values[:, 0].mean()", MOD),
+    # Attention and initialisation
+    ("attention mask excludes the diagonal", "mode/model/layers.py",
+     "mask_BST = kv_pos_BT[:, None, :] <= pos_BS[:, :, None]",
+     "mask_BST = kv_pos_BT[:, None, :] < pos_BS[:, :, None] + (kv_pos_BT[:, None, :] == 0)", MOD),
+    ("rotary frequencies wrong", "mode/model/layers.py",
+     "torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)",
+     "torch.arange(0, head_dim, 2, dtype=torch.float64) / (head_dim // 2))", MOD),
+    ("rotary rotation sign", "mode/model/layers.py",
+     "torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)",
+     "torch.stack((x1 * cos + x2 * sin, x1 * sin + x2 * cos), dim=-1)", MOD),
+    ("residual output projections not scaled by depth", "mode/model/layers.py",
+     "s = std / math.sqrt(2 * n_layers) if", "s = std if", ["tests/test_train.py"]),
+    # Expert routing (Mixture-of-Experts)
+    ("expert capacity off by one", "mode/routing/experts.py",
+     "keep_TK = real_TK & (pos_TK < cap)", "keep_TK = real_TK & (pos_TK <= cap)", MOE),
+    ("capacity rounded, not ceil (host)", "mode/routing/experts.py",
+     "return max(math.ceil(np.float32(num_tokens / num_experts) * np.float32(cf_k)), min_capacity)",
+     "return max(round(np.float32(num_tokens / num_experts) * np.float32(cf_k)), min_capacity)", MOE),
+    ("capacity floor, not ceil (device)", "mode/routing/experts.py",
+     "torch.ceil(per_expert * cf.to(per_expert.device))", "torch.floor(per_expert * cf.to(per_expert.device))", MOE),
+    ("capacity counts padding tokens", "mode/routing/experts.py",
+     "n_valid = T if valid_T is None else valid_T.sum()", "n_valid = T", MOE),
+    ("MoE layer ignores the padding mask", "mode/moe/base.py",
+     "r = self.router(x_TD, None if valid_BS is None else valid_BS.reshape(-1))", "r = self.router(x_TD, None)", MOE),
+    ("sampling uses the training capacity", "mode/moe/base.py",
+     'self.router.sampling = routing == "causal"', "self.router.sampling = False", MOE),
+    ("drop order token-major, not choice-major", "mode/routing/experts.py",
+     "key_R = torch.where(real_TK, idx_TK, E).t().reshape(-1)", "key_R = torch.where(real_TK, idx_TK, E).reshape(-1)", MOE),
+    ("probability drop policy reversed", "mode/routing/experts.py",
+     "by_prob_R = torch.argsort(-p_TK.detach().t().reshape(-1), stable=True)",
+     "by_prob_R = torch.argsort(p_TK.detach().t().reshape(-1), stable=True)", MOE),
+    ("top-1 weight renormalised to 1", "mode/routing/experts.py",
+     "if K > 1 and cfg.normalize_weights:", "if cfg.normalize_weights:", MOE),
+    ("renormalise_after_drop ignored", "mode/routing/experts.py",
+     "live_TK = (keep_TK | noop_TK) if cfg.renormalize_after_drop else torch.ones_like(keep_TK)",
+     "live_TK = torch.ones_like(keep_TK)", MOE),
+    ("load-balancing loss without the E factor", "mode/routing/experts.py",
+     "lb = f_E.numel() * (f_E * P_E).sum()", "lb = (f_E * P_E).sum()", MOE),
+    ("z-loss not squared", "mode/routing/experts.py",
+     "z = torch.logsumexp(logits_TX, -1).square().mean()", "z = torch.logsumexp(logits_TX, -1).abs().mean()", MOE),
+    ("noop_balance=include ignored", "mode/routing/experts.py",
+     'if self.N and cfg.noop_balance == "include":', "if False:", MOE),
+    ("router jitter at evaluation", "mode/routing/experts.py",
+     "if self.training and self.cfg.jitter > 0:", "if self.cfg.jitter > 0:", MOE),
+    ("combine ignores router weights", "mode/moe/native.py",
+     "return (routed_TKD * w_TK[..., None]).sum(1).to(out_MD.dtype)", "return routed_TKD.sum(1).to(out_MD.dtype)", MOE),
+    ("dropped tokens count no-op routes", "mode/routing/experts.py",
+     "dropped_tok = (real_TK.any(-1) & ~keep_TK.any(-1)).sum()", "dropped_tok = (~keep_TK.any(-1)).sum()", MOE),
+    ("load_max measured before dropping", "mode/routing/experts.py",
+     '"load_max": kept_E.max().float() * E / (K * n_tok)', '"load_max": counts_E.max().float() * E / (K * n_tok)', MOE),
+    # Sampling
+    ("temperature multiplies the logits", "mode/generate.py",
+     "logits_BV = logits_BV / temperature", "logits_BV = logits_BV * temperature", GEN),
+    ("top-k keeps k-1 ids", "mode/generate.py",
+     "logits_BV.masked_fill(logits_BV < kth_B1", "logits_BV.masked_fill(logits_BV <= kth_B1", GEN),
+    ("top-p drops the id that reaches p", "mode/generate.py",
+     "drop_BV = p_BV.cumsum(-1) - p_BV >= top_p", "drop_BV = p_BV.cumsum(-1) >= top_p", GEN),
+    # FLOPs and efficiency
+    ("MoD unit counted at the capacity fraction, not k/S", "mode/mod.py",
+     "Cost(inner.params, inner.flops * k / seq_len)", "Cost(inner.params, inner.flops * capacity)", FLOPS),
+    ("router FLOPs miscounted", "mode/routing/depth.py",
+     "c = Cost(d_model + 1, 2 * d_model)", "c = Cost(d_model + 1, 2 * d_model + 1)", FLOPS),
+    ("K/V-from-all attention scores counted over queries", "mode/model/layers.py",
+     "+ 4 * s_kv * d)", "+ 4 * s * d)", FLOPS),
+    ("TFLOP/s per device ignores the world size", "mode/metrics.py",
+     "forward_flops_per_token * tokens_per_s / world / 1e12", "forward_flops_per_token * tokens_per_s / 1e12",
+     ["tests/test_logging.py"]),
+    # Data
+    ("ranks read overlapping training samples", "mode/data.py",
+     "start = ((step * accum + micro) * self.world + self.rank) * micro_batch",
+     "start = ((step * accum + micro) + self.rank) * micro_batch", ["tests/test_data.py"]),
+    ("ranks read overlapping eval samples", "mode/data.py",
+     "start = (b * self.world + self.rank) * micro_batch", "start = (b + self.rank) * micro_batch", ["tests/test_data.py"]),
+    ("sample order not a permutation", "mode/data.py",
+     "        while x >= n:\n            x = once(x)\n", "        x = x % n\n", ["tests/test_data.py"]),
+    ("same sample order every epoch", "mode/data.py",
+     "self.cfg.split_seed * 1000003 + int(e))", "self.cfg.split_seed * 1000003)", ["tests/test_data.py"]),
+    # Checkpoints
+    ("checksum not compared on load", "mode/checkpoint.py",
+     '        if _sha256(p) != meta["sha256"]:\n', "        if False:\n", CKPT),
+    ("size not compared on load", "mode/checkpoint.py",
+     '        if size != meta["bytes"]:\n', "        if False:\n", CKPT),
+]
+
+
+def copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dst / f)
+
+
+def main() -> int:
+    only = sys.argv[1:]
+    chosen = [m for m in MUTANTS if not only or any(o in m[0] for o in only)]
+    missed = []
+    with tempfile.TemporaryDirectory(prefix="mode-mutants-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        # The copy's `mode` package shadows the editable install's (PYTHONPATH comes first).
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+        for name, rel, old, new, tests in chosen:
+            f = tree / rel
+            src = f.read_text()
+            if src.count(old) != 1:
+                print(f"STALE   {name}: the original text occurs {src.count(old)} times in {rel}", flush=True)
+                missed.append(name)
+                continue
+            f.write_text(src.replace(old, new))
+            try:
+                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                                    *tests], cwd=tree, env=env, capture_output=True, text=True, timeout=1200)
+            finally:
+                f.write_text(src)
+            failed = next((line.split(" - ")[0] for line in r.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
+            print(f"{'caught' if r.returncode else 'MISSED'}  {name}: {failed or r.stdout.strip().splitlines()[-1]}", flush=True)
+            if not r.returncode:
+                missed.append(name)
+    print(f"\n{len(chosen) - len(missed)} of {len(chosen)} mutants caught" + (f"; missed: {missed}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
