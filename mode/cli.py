@@ -5,7 +5,6 @@ faults print one `error:` line naming the cause (exit 1). `--debug` shows traceb
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -16,7 +15,7 @@ def _flops(argv) -> int:
     from mode.config import load_config
     from mode.flops import count, format_table
 
-    p = argparse.ArgumentParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
+    p = _OneLineParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
     p.add_argument("--config", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
@@ -48,7 +47,7 @@ def _check_knob(cfg, knob: str) -> None:
     for part in path:
         node = getattr(node, part, None)
     tp = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
-    if tp not in (float, typing.Optional[float]):
+    if tp is not float and float not in typing.get_args(tp):  # float, Optional[float], Capacity (float or list)
         raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
                           "model.moe.capacity_factor)")
 
