@@ -167,8 +167,13 @@ def main(argv=None) -> int:
     from mode.errors import guarded, wants_debug
 
     debug, argv = wants_debug(list(sys.argv[1:] if argv is None else argv))
+    usage = f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...  (mode COMMAND --help for its options)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...", file=sys.stderr)
+        print(usage if not argv else f"mode: error: unknown command {argv[0]!r} (one of {', '.join(COMMANDS)})",
+              file=sys.stderr)
         return 2
     if debug:
         import os
