@@ -379,6 +379,7 @@ def test_top_level_help_and_unknown_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: mode {") and all(c in out for c in COMMANDS)
+    assert main(["data", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: mode data prepare")
     assert main(["trian", "--config", "x.yaml"]) == 2
     lines = one_line(capsys.readouterr().err)
     assert len(lines) == 1 and lines[0].startswith("mode: error: unknown command 'trian'") and "train" in lines[0]
