@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     p = OneLineParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
-    p.add_argument("--out", required=True, help="new (or empty) directory to write")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write; missing parents are created")
     a = p.parse_args(argv)
     out = export(a.run, a.out)
     print(f"exported {a.run} -> {out}")
