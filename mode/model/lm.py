@@ -4,6 +4,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -18,6 +19,24 @@ from mode.model.blocks import AttnSublayer, Block, dense_mlp, moe_mlp
 from mode.model.layers import KVCache, RMSNorm, init_weights
 from mode.plan import LayerPlan, layer_plan
 from mode.routed import Ctx, Routed
+
+
+def _recompute_in_same_modes():
+    """checkpoint's context_fn: backward recomputes a block under the torch function modes its
+    forward ran under (mode.engine.Fp32Gemms: bf16 GEMMs in fp32 on CPU), which are no longer
+    active in backward; else the recomputed tensors differ in dtype and torch refuses them."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = _get_current_function_mode_stack()
+
+    @contextlib.contextmanager
+    def entered():
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(m)
+            yield
+
+    return contextlib.nullcontext(), entered()
 
 
 @dataclass
@@ -91,7 +110,7 @@ class LM(nn.Module):
             ctx = Ctx(pos_BS, valid_BS, caches[i] if caches is not None else None, routing)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
-                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False)
+                delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False, context_fn=_recompute_in_same_modes)
             else:
                 delta_BSD = block(x_BSD, ctx)
             x_BSD = x_BSD + delta_BSD  # every block returns its residual update
