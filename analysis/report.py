@@ -125,7 +125,8 @@ METRICS: list[Metric] = [
 
 def run_summary(run: RunLog) -> dict:
     """{metric key: value or None} plus identity and progress of one run."""
-    steps = [pts[-1].step for pts in run.scalars.values() if pts]
+    # the *_vs_tokens / *_vs_mflops series carry tokens or MFLOPs as their step, not the training step
+    steps = [pts[-1].step for tag, pts in run.scalars.items() if pts and not tag.endswith(("_vs_tokens", "_vs_mflops"))]
     out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
            "last_step": max(steps) if steps else None, "config_diff": run.config_diff}
     for m in METRICS:

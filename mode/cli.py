@@ -5,7 +5,6 @@ faults print one `error:` line naming the cause (exit 1). `--debug` shows traceb
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -16,7 +15,7 @@ def _flops(argv) -> int:
     from mode.config import load_config
     from mode.flops import count, format_table
 
-    p = argparse.ArgumentParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
+    p = _OneLineParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
     p.add_argument("--config", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
@@ -48,7 +47,7 @@ def _check_knob(cfg, knob: str) -> None:
     for part in path:
         node = getattr(node, part, None)
     tp = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
-    if tp not in (float, typing.Optional[float]):
+    if tp is not float and float not in typing.get_args(tp):  # float, Optional[float], Capacity (float or list)
         raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
                           "model.moe.capacity_factor)")
 
@@ -119,8 +118,10 @@ def _compare(argv) -> int:
 
 def _data(argv) -> int:
     if not argv or argv[0] != "prepare":
-        print("usage: mode data prepare --config F [--force] [dotted.key=value ...]", file=sys.stderr)
-        return 2
+        helps = bool(argv) and argv[0] in ("-h", "--help")
+        print("usage: mode data prepare --config F [--force] [dotted.key=value ...]",
+              file=sys.stdout if helps else sys.stderr)
+        return 0 if helps else 2
     p = _OneLineParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
                                 "memory-mapped shards under data.prepared_dir (training then only reads them).")
     p.add_argument("--config", required=True)
@@ -168,8 +169,13 @@ def main(argv=None) -> int:
     from mode.errors import guarded, wants_debug
 
     debug, argv = wants_debug(list(sys.argv[1:] if argv is None else argv))
+    usage = f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...  (mode COMMAND --help for its options)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...", file=sys.stderr)
+        print(usage if not argv else f"mode: error: unknown command {argv[0]!r} (one of {', '.join(COMMANDS)})",
+              file=sys.stderr)
         return 2
     if debug:
         import os

@@ -535,6 +535,8 @@ def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
         raise ConfigError("base", base, "a path or a list of paths (relative to the file)")
     merged: dict = {}
     for b in bases:
+        if not (path.parent / b).is_file():  # name the `base:` line, not --config (which exists)
+            raise ConfigError("base", b, f"an existing YAML file, relative to {path} ({path.parent / b} is not one)")
         merged = _deep_merge(merged, read_yaml(path.parent / b, (*_chain, path.resolve())))
     return _deep_merge(merged, raw)
 

@@ -26,8 +26,9 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--out", str(out), "a new or empty directory (exporting never overwrites)")
-    if not out.parent.is_dir():
-        raise ConfigError("--out", str(out), f"a directory whose parent {out.parent} exists")
+    base = next(p for p in out.absolute().parents if p.exists())  # missing parents are created (`exports/x`)
+    if not base.is_dir():
+        raise ConfigError("--out", str(out), f"a directory path ({base} is not a directory)")
     model, tok, cfg, source = load_run(run_dir, return_source=True)
     tok_files = []
     if cfg.data.tokenizer != "byte":
@@ -37,6 +38,8 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         f, conf = Path(tok.file), Path(tok.file).parent / "tokenizer_config.json"
         tok_files = [(f, "tokenizer.json")] + ([(conf, conf.name)] if conf.is_file() else [])
         cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
+    made = [p for p in out.absolute().parents if not p.exists()]  # innermost first: removed again on failure
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
     try:
@@ -54,6 +57,11 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
     return out
 
@@ -63,7 +71,7 @@ def main(argv=None) -> int:
 
     p = OneLineParser(prog="mode export", description="Write a run's model as safetensors + config + tokenizer.")
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
-    p.add_argument("--out", required=True, help="new (or empty) directory to write")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write; missing parents are created")
     a = p.parse_args(argv)
     out = export(a.run, a.out)
     print(f"exported {a.run} -> {out}")

@@ -324,6 +324,10 @@ def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperat
     limit = model.cfg.max_seq_len
     for i, p in enumerate(prompts):
         n_tok = 1 + len(tok.encode(p))  # the EOS that starts a document, then the prompt
+        if positions_needed(1, max_new_tokens) > limit:  # no prompt at all would fit: the count is at fault
+            raise ConfigError("--max-new-tokens", max_new_tokens, msg=None,
+                              allowed=f"at most {limit + 1 - n_tok} for prompt {i} ({n_tok} tokens with the leading "
+                                      f"EOS): prompt + new tokens - 1 <= the model's max_seq_len={limit}")
         if positions_needed(n_tok, max_new_tokens) > limit:
             raise ConfigError("--prompt", p if len(p) <= 40 else p[:37] + "...", msg=None,
                               allowed=f"prompt {i} has {n_tok} tokens (with the leading EOS); with --max-new-tokens "

@@ -473,3 +473,23 @@ def test_decoupled_routing_is_shown_per_router():
                          "dec (mlp)": {0: 1.0, 1: 0.25, 2: 1.0}}
     assert causal == {"mod": {1: 0.3}, "dec (attn)": {1: 0.35}, "dec (mlp)": {1: 0.2}}
     assert {"dec (attn)", "dec (mlp)"} <= set(colors)
+
+
+def test_last_step_is_the_training_step_not_tokens_or_mflops(tmp_path):
+    """The Runs table's last step comes from the step-indexed tags: the trainer also logs
+    `*/loss_vs_tokens` and `*/loss_vs_mflops`, whose TensorBoard step is tokens or MFLOPs."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    _write_run(root / "dense_seed0", "dense", 0, 2.0)
+    w = SummaryWriter(str(root / "dense_seed0" / "tb"))
+    for step in (10, 20, 30):  # as mode/loggers.py writes them: tokens seen and training MFLOPs as steps
+        w.add_scalar("train/loss", 3.0, step)
+        w.add_scalar("train/loss_vs_tokens", 3.0, step * 100)
+        w.add_scalar("train/loss_vs_mflops", 3.0, step * 600)
+    w.add_scalar("eval/loss_vs_mflops", 2.0, 30 * 600)
+    w.close()
+    report.analyze(root, tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [r["last_step"] for r in summary["dense"]["runs"]] == [30]
+    assert "| `dense_seed0` | `dense_seed0` | `dense` | 0 | 30 | yes |" in (tmp_path / "out" / "report.md").read_text()

@@ -70,3 +70,25 @@ def test_bf16_training_decreases_the_loss_like_fp32(tmp_path):
     assert list(tr["bf16"]) == list(tr["fp32"]) == list(range(10, 101, 10))
     for s in tr["fp32"]:
         assert abs(tr["bf16"][s] - tr["fp32"][s]) < 0.15, (s, tr)
+
+
+@pytest.mark.parametrize("over", [[], ["model.mod.layers=every_other", "model.mod.capacity=0.25"],
+                                  ["model.moe.layers=every_other", "model.moe.num_experts=4"]])
+def test_activation_checkpointing_recomputes_under_fp32_gemms(over):
+    """bf16 + train.activation_checkpointing=block on a CPU (Fp32Gemms around the forward): the
+    backward recompute runs under the same mode, so the gradients equal those of the run without
+    checkpointing (it stopped with torch's CheckpointError: recomputed bf16 vs saved fp32)."""
+    cfg = load_config("configs/tiny/dense.yaml", ["model.d_model=64", "model.d_ff=128", "data.seq_len=32", *over])
+    torch.manual_seed(1)
+    x = torch.randint(0, 256, (2, 32))
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = eng.fp32_gemms_on_cpu(build_model(cfg.model).to(torch.bfloat16).train())
+        model.activation_checkpointing = ckpt
+        out = model(x, x)
+        (out.loss + out.aux_loss).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n

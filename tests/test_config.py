@@ -21,6 +21,15 @@ def test_base_inheritance_and_overrides(tmp_path):
     assert cfg.train.max_steps == 9 and cfg.optim.lr == 1e-3 and cfg.model.moe.capacity_factor is None
 
 
+def test_missing_base_names_the_base_line(tmp_path):
+    """A `base:` that does not exist is blamed on `base`, not on --config (which exists)."""
+    (tmp_path / "b.yaml").write_text("base: dense.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "b.yaml")
+    msg = str(e.value)
+    assert msg.startswith("config error: base='dense.yaml': an existing YAML file, relative to") and str(tmp_path / "b.yaml") in msg
+
+
 @pytest.mark.parametrize("override,needle", [
     ("model.d_modle=3", "did you mean model.d_model"),
     ("model.d_model=abc", "model.d_model='abc'"),

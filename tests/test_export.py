@@ -37,6 +37,18 @@ def test_export_gives_the_same_logits(tmp_path, preset):
     shutil.rmtree(run)  # the export stands alone
 
 
+def test_export_creates_missing_parent_directories(tmp_path):
+    """README's `mode export --run runs/tiny/mod --out exports/tiny_mod` in a checkout without exports/."""
+    model, run = fake_run(tmp_path, "mod")
+    out = tmp_path / "exports" / "sub" / "tiny_mod"
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny_mod"]  # no temporary directory left
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("x = 1").tolist()])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load_run(out)[0](ids).logits)
+
+
 def _hf_tokenizer(d, eos_in_config: str | None = None):
     """A small BPE tokenizer.json in d; with `eos_in_config`, a tokenizer_config.json naming that
     EOS token while the vocabulary also holds `</s>` (which the built-in list would pick)."""
@@ -84,7 +96,8 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     for argv, needle in ((["--run", str(run), "--out", str(tmp_path / "taken")], "--out"),
                          (["--run", str(empty), "--out", str(tmp_path / "new")], "complete checkpoint"),
                          (["--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "new")], "--run"),
-                         (["--run", str(run), "--out", str(tmp_path / "new"), "--bogus"], "--bogus")):
+                         (["--run", str(run), "--out", str(tmp_path / "new"), "--bogus"], "--bogus"),
+                         (["--run", str(run), "--out", str(tmp_path / "taken" / "mine.txt" / "x")], "not a directory")):
         try:
             rc = cli_main(["export", *argv])
         except SystemExit as e:  # a bad option: argparse exits (mode's parser prints one line first)

@@ -69,3 +69,30 @@ def test_table_shows_each_layer_of_a_capacity_schedule():
     assert set(rows) == {"1", "3", "5"}  # one row per distinct routed layer, not the first one for all
     for b in c["blocks"][1::2]:
         assert f"{b['flops_per_token'] / 1e9:.6f}" in rows[str(b["layer"])]
+
+
+@pytest.mark.parametrize("knob", [[], ["--knob", "model.mod.capacity"]])  # the default knob, as README shows it
+def test_match_solves_the_mod_capacity(knob, capsys):
+    """`mode flops --config mod.yaml --match dense.yaml` solves model.mod.capacity (a float or a
+    per-layer list in the config) so the FLOPs per token equal the dense model's; it was refused."""
+    from mode.cli import main
+
+    over = ["model.n_layers=6"]
+    argv = ["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), *over,
+            "--match", str(ROOT / "configs/tiny/dense.yaml"), *knob]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("model.mod.capacity=")
+    v = float(first.split()[0].split("=")[1])
+    target = count(load_config(ROOT / "configs/tiny/dense.yaml"))["forward_flops_per_token"]
+    got = count(load_config(ROOT / "configs/tiny/mod.yaml", over + [f"model.mod.capacity={v}"]))
+    assert abs(got["forward_flops_per_token"] - target) / target < 0.01, (v, got["forward_flops_per_token"], target)
+
+
+def test_flops_bad_option_is_one_line(capsys):
+    from mode.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["mode flops: error: unrecognized arguments: --bogus"], err

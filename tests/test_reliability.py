@@ -374,6 +374,19 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, 
         assert len(lines) == 1 and lines[0].startswith("config error: "), (args, lines)
 
 
+def test_top_level_help_and_unknown_command(capsys):
+    """`mode --help` lists the commands on stdout (exit 0); a mistyped command is named in one line (exit 2)."""
+    from mode.cli import COMMANDS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mode {") and all(c in out for c in COMMANDS)
+    assert main(["data", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: mode data prepare")
+    assert main(["trian", "--config", "x.yaml"]) == 2
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("mode: error: unknown command 'trian'") and "train" in lines[0]
+
+
 def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, capsys):
     from mode.cli import main
     from mode.config import dump_config, load_config

@@ -447,6 +447,8 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     (["--run", "{run}", "--prompt", "a", "--temperature", "-1"], "--temperature=-1.0"),
     (["--run", "{run}", "--prompt", "a", "--bogus"], "unrecognized arguments: --bogus"),
     (["--run", "{run}", "--prompt", "y" * 60, "--max-new-tokens", "10"], "max_seq_len=64 (at most 55 prompt tokens)"),
+    (["--run", "{run}", "--prompt", "a", "--max-new-tokens", "100"],  # the count, not the prompt, is too long
+     "--max-new-tokens=100: at most 63 for prompt 0 (2 tokens with the leading EOS)"),
     (["--run", "{run}", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
     (["--run", "{run}"], "at least one --prompt"),
 ])

@@ -5,7 +5,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab, L layers.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -56,15 +56,27 @@ def _upgrade_old_block_keys(state_dict, prefix, *args) -> None:
 _GRAPH_RECORDS = ("aux_loss", "last_routing", "last", "l_aux")
 
 
+def _checkpoint_contexts(block: nn.Module):
+    """checkpoint's context_fn, called at forward time: nothing around the forward; around the
+    re-run in backward, `_rerun` under the torch function modes the forward ran under
+    (mode.engine.Fp32Gemms: bf16 GEMMs in fp32 on CPU), which are no longer active in backward:
+    without them the recomputed tensors differ in dtype and torch refuses them."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return nullcontext(), _rerun(block, _get_current_function_mode_stack())
+
+
 @contextmanager
-def _rerun(block: nn.Module):
+def _rerun(block: nn.Module, modes: list):
     """Activation checkpointing's re-run of `block` in backward only rebuilds the tensors backward
     needs. It is not a new micro-step (the threshold EMA stays), and the records it leaves on the
     modules (holding the re-run's graph, and with it the block's recomputed activations, until the
     next forward) are put back as the forward left them."""
     saved = [(m, {a: vars(m)[a] for a in _GRAPH_RECORDS if a in vars(m)}) for m in block.modules()]
     try:
-        with recomputing():
+        with ExitStack() as stack, recomputing():
+            for m in modes:
+                stack.enter_context(m)
             yield
     finally:  # also when checkpointing stops the re-run early (it raises once it has what it needs)
         for m, records in saved:
@@ -114,7 +126,7 @@ class LM(nn.Module):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block's input; backward re-runs the block (same RNG state, so same routing).
                 delta_BSD = checkpoint(block, x_BSD, ctx, use_reentrant=False,
-                                       context_fn=lambda b=block: (nullcontext(), _rerun(b)))
+                                       context_fn=lambda b=block: _checkpoint_contexts(b))
             else:
                 delta_BSD = block(x_BSD, ctx)
             x_BSD = x_BSD + delta_BSD  # every block returns its residual update
