@@ -2,7 +2,7 @@
 
 Shape legend: B prompts (batch rows), P longest prompt, T positions, V vocabulary.
 
-Sampling-time semantics (DESIGN.md 3.4): every routing decision for a token depends only on it
+Sampling-time semantics (README "Sampling"): every routing decision for a token depends only on it
 and the earlier tokens of its own row. Depth routing decides per token (predictor, router sign or
 calibrated threshold); MoE layers are dropless (model.moe.inference_capacity_factor null). So a
 prompt's output does not depend on the other prompts of its batch, and the logits equal a full

@@ -1,10 +1,10 @@
 """Do the tests catch the bugs they are named after? Plant one bug at a time (a mutant) in a copy
 of the tree and run the fast tests that should catch it; a mutant the tests pass is a missed bug.
 
-    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~15 min for all on 2 cores
+    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~20 min for all on 2 cores
 
 Each mutant is a one-line change a real implementation could plausibly get wrong (the mistakes
-in ../shared/reference/ANCHORS.md and DESIGN.md's exact routing semantics among them). The copy
+other MoD and MoE implementations make, and the exact routing semantics README states). The copy
 lives in a temporary directory: the working tree is never edited. Not part of `make test`
 (it runs the fast tier dozens of times); results are recorded in RELIABILITY.md.
 """

@@ -41,7 +41,8 @@ def act(h, kind):
 
 
 # ------------------------------------------------------------------------------------------------
-# The brute-force reference: DESIGN.md 3.2 spelled out with Python loops over tokens and routes.
+# The brute-force reference: the semantics in mode/routing/experts.py's docstring, spelled out
+# with Python loops over tokens and routes.
 
 
 def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=True):

@@ -113,7 +113,7 @@ class LM(nn.Module):
 
     def forward(self, input_ids_BS, targets_BS=None, routing: str = "topk", pos_BS=None,
                 caches: list[KVCache] | None = None, valid_BS=None) -> LMOutput:
-        """`routing` topk (training) or causal (sampling-time semantics, DESIGN.md 3.4). With
+        """`routing` topk (training) or causal (sampling-time semantics, README "Sampling"). With
         `caches` (generation, routing causal): several tokens per row are a prefill into empty
         caches (right-padded prompts: `valid_BS` False marks the padding), one token per row a
         decoding step at positions `pos_BS`."""

@@ -9,7 +9,7 @@ The router decides everything that is routing: which expert each route goes to, 
 weight, and whether it survives the capacity limit. Dispatch, expert compute and combine are
 separate steps (mode/moe/*), so every backend executes the same decisions.
 
-Semantics (DESIGN.md 3.2):
+Semantics:
 - logits = x W^T and softmax in fp32; optional multiplicative jitter on x while training.
 - Capacity per real expert: ceil(capacity_factor * K * T / E) floored at min_capacity, T = the
   valid tokens of this call (DeepSpeed's per-rank group); computed with DeepSpeed's exact
