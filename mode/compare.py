@@ -155,6 +155,33 @@ def _unknown(d: dict, allowed, path: Path, where: str) -> None:
             raise _bad(path, f"unknown key {where}{k}{hint}; allowed: {', '.join(allowed)}")
 
 
+def _check_options(o: dict, launcher: str, path: Path) -> None:
+    """Types and ranges of launcher_options, before any command is built from them (an sbatch_args
+    string would be split into characters, num_nodes 0 would be a world of 0 ranks)."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    rules = {"num_nodes": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+             "num_gpus": ((lambda v: is_int(v) and v >= 0, "an integer >= 0 (0: a partition without GPUs, nproc "
+                           "ranks per node)") if launcher == "slurm" else (lambda v: is_int(v) and v >= 1,
+                                                                          "an integer >= 1 (processes per node)")),
+             "master_port": (lambda v: is_int(v) and 1 <= v <= 65535, "an integer port 1-65535"),
+             "hostfile": (lambda v: isinstance(v, str) and v != "", "a path"),
+             "master_addr": (lambda v: isinstance(v, str) and v != "", "a host name or address"),
+             "script": (lambda v: isinstance(v, str) and Path(v).is_file(), "an existing sbatch script"),
+             "sbatch_args": (lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+                             'a list of strings, e.g. ["--partition=gpu", "--time=12:00:00"]'),
+             "submit": (lambda v: isinstance(v, bool), "true or false"),
+             "env": (lambda v: isinstance(v, dict) and all(
+                         isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                         and isinstance(x, (str, int, float)) and not isinstance(x, bool) for k, x in v.items()),
+                     "a mapping of shell variable names to strings or numbers")}
+    for k, v in o.items():
+        ok, allowed = rules[k]
+        if not ok(v):
+            raise _bad(path, f"launcher_options.{k}={v!r}: {allowed}")
+
+
 def load_experiment(path: str | os.PathLike) -> Experiment:
     path = Path(path)
     if not path.is_file():
@@ -173,6 +200,7 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
     if not isinstance(options, dict):
         raise _bad(path, "launcher_options must be a mapping")
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
+    _check_options(options, launcher, path)
     nproc = raw.get("nproc", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise _bad(path, f"nproc={nproc!r}: an integer >= 1")

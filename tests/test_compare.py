@@ -263,3 +263,34 @@ def test_a_bad_budget_is_one_config_error_before_anything_runs(tmp_path, capsys,
     assert analyze_main([str(tmp_path / "runs"), "--experiment", str(exp)]) == 2
     assert capsys.readouterr().err.splitlines() == [line]
     assert list((tmp_path / "runs").iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("launcher,key,value", [
+    ("slurm", "num_nodes", 0),  # a world of 0 ranks
+    ("slurm", "num_gpus", -1),  # was taken as a CPU partition
+    ("slurm", "num_gpus", "abc"),  # was a ValueError traceback line
+    ("slurm", "num_gpus", 1.5),  # was truncated to 1
+    ("slurm", "sbatch_args", "--partition=gpu"),  # was split into characters
+    ("slurm", "submit", "yes"),
+    ("slurm", "env", ["A=1"]),
+    ("deepspeed", "num_gpus", 0),
+    ("deepspeed", "master_port", 70000),
+    ("deepspeed", "env", {"NOT A NAME": "1"}),
+])
+def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path, capsys, launcher, key, value):
+    from mode import compare
+
+    exp = experiment(tmp_path, launcher=launcher, launcher_options={key: value})
+    assert compare.main([str(exp), "--dry-run"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: experiment {exp}: launcher_options.{key}={value!r}: "), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_good_launcher_options_pass_the_check(tmp_path):
+    from mode.compare import load_experiment
+
+    for launcher, o in (("slurm", {"num_nodes": 2, "num_gpus": 0, "sbatch_args": ["--partition=cpu"], "submit": True,
+                                   "env": {"NCCL_DEBUG": "WARN", "X": 1}}),
+                        ("deepspeed", {"hostfile": "h", "num_nodes": 1, "num_gpus": 2, "master_port": 29511})):
+        assert load_experiment(experiment(tmp_path, launcher=launcher, launcher_options=o)).options == o
