@@ -32,6 +32,8 @@ if [[ -n "${GPUS_PER_NODE:-}" ]]; then args+=(--num_gpus "$GPUS_PER_NODE"); fi
 if [[ -n "${MASTER_ADDR:-}" ]]; then args+=(--master_addr "$MASTER_ADDR"); fi
 if [[ -n "${MASTER_PORT:-}" ]]; then args+=(--master_port "$MASTER_PORT"); fi
 if [[ -n "${SSH_PORT:-}" ]]; then args+=(--ssh_port "$SSH_PORT"); fi
-if [[ -n "${NO_SSH:-}" ]]; then args+=(--no_ssh --node_rank "${NODE_RANK:?NODE_RANK is required with NO_SSH}"); fi
+if [[ -n "${NO_SSH:-}" ]]; then  # launch.run refuses a missing NODE_RANK in one `config error:` line
+  args+=(--no_ssh); if [[ -n "${NODE_RANK:-}" ]]; then args+=(--node_rank "$NODE_RANK"); fi
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python3}" -m launch.run "${args[@]}" "$@"

@@ -339,10 +339,10 @@ def main(argv=None) -> int:
         if a.no_ssh and a.node_rank is None:
             raise _err("--node_rank", None, "this node's rank (required with --no_ssh)")
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
-        cfg = validate(a.config, a.overrides, world, a.node_rank)
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
+        cfg = validate(a.config, a.overrides, world, a.node_rank)  # may prepare the data: after the cheap checks
         if multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only:
             check_ssh(a.hostfile, [h for h, _ in nodes], a.ssh_port)
     except ConfigError as e:

@@ -41,6 +41,28 @@ def test_zero_ranks_are_refused_before_launch(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_bad_env_value_is_refused_before_the_data_is_prepared(tmp_path, capsys):
+    """--env is checked with the launcher options, before validation prepares the data (whose
+    progress bar made the refusal more than one line)."""
+    import launch.run as lr
+
+    prepared = tmp_path / "prepared"
+    assert lr.main(["--env", "A=b\nc", "--validate-only", "--config", "configs/tiny/dense.yaml",
+                    f"data.prepared_dir={prepared}", f"run.dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "config error: --env='A=b\\nc': a value without newlines or leading/trailing whitespace", err
+    assert not prepared.exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # starts the shell wrapper (and Python)
+def test_multinode_wrapper_without_node_rank_is_one_config_error(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "launch" / "deepspeed_multinode.sh"), "--config", "configs/tiny/dense.yaml",
+                        f"run.dir={tmp_path / 'r'}"], cwd=ROOT, env=dict(env(1), NO_SSH="1", PYTHON=PY),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "config error: --node_rank=None: this node's rank (required with --no_ssh)"], r.stderr
+
+
 def test_env_values_survive_the_remote_shell():
     """The pdsh runner exports `KEY=<value>` inside the remote shell command; what DeepSpeed builds from
     our env-file line must evaluate back to the value (bash as the remote shell, as over ssh)."""
