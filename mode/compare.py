@@ -280,7 +280,9 @@ def child_env(exp: Experiment) -> dict:
     env.setdefault("PYTHONUNBUFFERED", "1")
     import torch
 
-    if not torch.cuda.is_available():
+    # slurm: the job's nodes decide (launch/run.py on each node), not this machine: a login node
+    # without GPUs must not write DS_ACCELERATOR=cpu into the jobs of a GPU partition.
+    if not torch.cuda.is_available() and exp.launcher != "slurm":
         env.setdefault("DS_ACCELERATOR", "cpu")
         if exp.launcher == "local" and exp.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // exp.nproc)))

@@ -294,3 +294,25 @@ def test_good_launcher_options_pass_the_check(tmp_path):
                                    "env": {"NCCL_DEBUG": "WARN", "X": 1}}),
                         ("deepspeed", {"hostfile": "h", "num_nodes": 1, "num_gpus": 2, "master_port": 29511})):
         assert load_experiment(experiment(tmp_path, launcher=launcher, launcher_options=o)).options == o
+
+
+def test_slurm_script_leaves_the_accelerator_to_the_job_nodes(tmp_path, monkeypatch):
+    """`mode compare` on a login node without GPUs: the submit script must not export
+    DS_ACCELERATOR=cpu (it would train a GPU partition's job on its CPUs); a value the user
+    exported is kept."""
+    import torch
+
+    from mode import compare
+    from mode.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    exp = compare.load_experiment(experiment(tmp_path, launcher="slurm", launcher_options={"num_gpus": 8}))
+    run = compare.expand(exp)[0]
+    run.cfg = load_config(run.config, run.overrides)
+    assert "DS_ACCELERATOR" not in compare.slurm_script(exp, run, compare.child_env(exp))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert "export DS_ACCELERATOR=cpu\n" in compare.slurm_script(exp, run, compare.child_env(exp))
+    local = compare.load_experiment(experiment(tmp_path, launcher="local", nproc=2))
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert compare.child_env(local)["DS_ACCELERATOR"] == "cpu"  # this machine runs the ranks
