@@ -31,7 +31,8 @@ Launchers:
   unless OMP_NUM_THREADS is set).
 - `deepspeed`: the launch wrapper (`python -m launch.run`) with `launcher_options`
   `hostfile` (relative to the current directory), `num_nodes`, `num_gpus` (per node),
-  `master_addr`, `master_port`, `env` (mapping exported to every rank on every node).
+  `master_addr`, `master_port`, `ssh_port`, `launcher_args` (passed to DeepSpeed's runner), `env`
+  (mapping exported to every rank on every node).
 - `slurm`: writes one replayable submit script per unfinished run to `runs_dir/slurm/<run>.sh`
   (the environment the job needs: this interpreter as PYTHON, PYTHONPATH, PATH, SLURM_CONF, the
   variables launch/run.py passes to ranks, then `sbatch --nodes N --gpus-per-node G
@@ -79,7 +80,8 @@ EXPERIMENT_KEYS = ("name", "description", "runs_dir", "report_dir", "launcher", 
                    "overrides", "variants", "match_flops", "budgets")
 VARIANT_KEYS = ("config", "seeds", "overrides", "description")
 LAUNCHER_OPTIONS = {"local": (),
-                    "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "env"),
+                    "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "ssh_port",
+                                  "launcher_args", "env"),
                     "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script", "env")}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -166,6 +168,8 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
                            "ranks per node)") if launcher == "slurm" else (lambda v: is_int(v) and v >= 1,
                                                                           "an integer >= 1 (processes per node)")),
              "master_port": (lambda v: is_int(v) and 1 <= v <= 65535, "an integer port 1-65535"),
+             "ssh_port": (lambda v: is_int(v) and 1 <= v <= 65535, "an integer port 1-65535"),
+             "launcher_args": (lambda v: isinstance(v, str), "one string of options for pdsh/mpirun"),
              "hostfile": (lambda v: isinstance(v, str) and v != "", "a path"),
              "master_addr": (lambda v: isinstance(v, str) and v != "", "a host name or address"),
              "script": (lambda v: isinstance(v, str) and Path(v).is_file(), "an existing sbatch script"),
@@ -302,7 +306,7 @@ def command(exp: Experiment, run: GridRun) -> list[str]:
         return _launch().deepspeed_command(run.config, run.overrides, num_gpus=exp.nproc, master_port=free_port())
     if exp.launcher == "deepspeed":
         cmd = [py, "-m", "launch.run", "--launcher", "deepspeed"]
-        for k in ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port"):
+        for k in ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "ssh_port", "launcher_args"):
             if o.get(k) is not None:
                 cmd += [f"--{k}", str(o[k])]
         if "num_gpus" not in o and "hostfile" not in o:

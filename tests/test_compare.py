@@ -316,3 +316,19 @@ def test_slurm_script_leaves_the_accelerator_to_the_job_nodes(tmp_path, monkeypa
     local = compare.load_experiment(experiment(tmp_path, launcher="local", nproc=2))
     monkeypatch.delenv("DS_ACCELERATOR")
     assert compare.child_env(local)["DS_ACCELERATOR"] == "cpu"  # this machine runs the ranks
+
+
+def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
+    """ssh_port and launcher_args reach launch/run.py (a cluster whose sshd is not on port 22)."""
+    from mode import compare
+
+    exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options={
+        "hostfile": "h", "ssh_port": 2222, "launcher_args": "-R ssh", "master_addr": "n0"}))
+    cmd = compare.command(exp, compare.expand(exp)[0])
+    i = cmd.index("launch.run")
+    assert cmd[i - 1:i + 11] == ["-m", "launch.run", "--launcher", "deepspeed", "--hostfile", "h", "--master_addr",
+                                 "n0", "--ssh_port", "2222", "--launcher_args", "-R ssh"], cmd
+    import launch.run as lr
+
+    a = lr.parser().parse_args(cmd[i + 1:])
+    assert (a.ssh_port, a.launcher_args, a.master_addr) == (2222, "-R ssh", "n0")
