@@ -634,9 +634,9 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             log(f"waiting for {len(active)} job(s) (polling every {a.poll:g}s; Ctrl-C stops waiting, not the jobs)")
             try:
                 failed += wait_slurm(exp, runs, active, log, a.poll)
-            except KeyboardInterrupt:
+            except Stopped as e:  # main() turns SIGINT/SIGTERM into Stopped
                 log(f"stopped waiting; the jobs keep running (`mode compare {a.experiment} --wait` waits again)")
-                return 130
+                return 128 + int(e.signum)
         for line in failed:
             log(f"failed: {line}")
         if failed:

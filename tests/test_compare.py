@@ -332,3 +332,37 @@ def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
 
     a = lr.parser().parse_args(cmd[i + 1:])
     assert (a.ssh_port, a.launcher_args, a.master_addr) == (2222, "-R ssh", "n0")
+
+
+@pytest.mark.slow  # starts `mode compare`
+def test_ctrl_c_while_waiting_for_slurm_jobs_says_they_keep_running(tmp_path):
+    """Ctrl-C in `--wait` stops the waiting, not the jobs, and says so (it exited 130 silently:
+    compare's signal handler raised Stopped past the KeyboardInterrupt handler)."""
+    import signal
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/usr/bin/env bash\necho 4242\n")
+    (bin_dir / "squeue").write_text("#!/usr/bin/env bash\necho RUNNING\n")
+    (bin_dir / "scancel").write_text(f"#!/usr/bin/env bash\ntouch {tmp_path / 'cancelled'}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    exp = experiment(tmp_path, launcher="slurm", launcher_options={"num_gpus": 0, "submit": True})
+    err = tmp_path / "err.txt"
+    proc = subprocess.Popen([PY, "-m", "mode.cli", "compare", str(exp), "--wait", "--poll", "0.2"], cwd=ROOT,
+                            env=dict(env(1), PATH=f"{bin_dir}:{os.environ['PATH']}"), stdout=subprocess.DEVNULL,
+                            stderr=open(err, "w"))
+    try:
+        end = time.monotonic() + 120
+        while "job 4242 RUNNING" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < end, err.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert err.read_text().strip().splitlines()[-1] == (
+        f"stopped waiting; the jobs keep running (`mode compare {exp} --wait` waits again)")
+    assert not (tmp_path / "cancelled").exists()
