@@ -123,8 +123,9 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
     check_backend(cfg)
     check_loggers(cfg)
     check_build_locks()
+    saved = check_run_dir(cfg, lock)  # before the data: a refused run.dir must not wait for (or write) a prepare
     check_data(cfg, write=prepare_data)
-    return check_run_dir(cfg, lock)
+    return saved
 
 
 def check_world(cfg: Config, world: int) -> None:

@@ -62,6 +62,24 @@ def test_fresh_refuses_a_directory_mode_did_not_write(tmp_path):
     assert (notes / "thesis.tex").read_text() == "years of work"
 
 
+def test_a_refused_run_dir_is_refused_before_the_data_is_prepared(tmp_path):
+    """Bug caught: the pre-launch check prepared the data (minutes to hours for a hub corpus, and
+    a tqdm bar on the console) before it looked at run.dir, so `run.fresh=true` on a user's
+    directory was refused only after the whole prepare, which it had written to disk."""
+    from mode.config import ConfigError, load_config
+    from mode.train import preflight
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    prepared = tmp_path / "prepared"
+    cfg = load_config(CFG, [*TINY, f"run.dir={notes}", "run.fresh=true", f"data.prepared_dir={prepared}"])
+    with pytest.raises(ConfigError, match="thesis.tex"):
+        preflight(cfg)
+    assert not prepared.exists()  # nothing prepared, nothing written
+    assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
+
+
 def test_fresh_empties_only_a_mode_run(tmp_path):
     from mode import rundir
 
