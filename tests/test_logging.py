@@ -105,6 +105,24 @@ def test_cpu_peak_is_the_best_measured_on_this_machine(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mode_cpu_peak.json"]  # no temporary left
 
 
+def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
+    """Bug caught: with output redirected to a file (every cluster job), preparing the data at the
+    start of a run wrote tqdm's carriage-return redraws into the log. Now: plain lines, the last
+    one counting every token encoded (the manifest's train + validation tokens)."""
+    from mode.config import load_config
+    from mode.prepare import prepare, read_manifest
+
+    cfg = load_config(CFG, [*TINY, f"data.prepared_dir={tmp_path}"])
+    path = prepare(cfg.data, progress=True)  # under capsys stderr is not a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare ") and lines[0].endswith(", done"), lines
+    splits = read_manifest(path)["splits"]
+    assert int(re.search(r": ([\d,]+) tokens", lines[0]).group(1).replace(",", "")) == sum(
+        splits[s]["tokens"] for s in ("train", "val"))
+
+
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged"."""
     from mode.config import load_config
