@@ -139,6 +139,20 @@ def test_readme_documents_every_model_metric():
         assert not missing, f"{preset.name}: undocumented tags {missing}"
 
 
+def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatch):
+    """Bug caught: a 2-rank run stopped by train.stop_at offered a single-process `mode train`
+    command to continue, which the world-size check then refuses."""
+    from mode.console import continue_command
+
+    args = ["run.dir=r", "train.stop_at=4", "train.max_steps=8"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    msg = continue_command("c.yaml", args)
+    assert "mode train" not in msg and "single process" not in msg and "stop_at" in msg  # "without stop_at"
+    assert "2-process launch command" in msg and msg.endswith("--config c.yaml run.dir=r train.max_steps=8")
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation checkpointing.
 
