@@ -376,6 +376,31 @@ def test_debug_flag_shows_the_traceback(tmp_path, monkeypatch):
         main(["--debug", "train", "--print-config", "--config", str(ROOT / CFG), "optim.lr=.inf"])
 
 
+def test_a_config_error_is_said_once_per_node_not_once_per_rank(monkeypatch, capsys):
+    """Bug caught: under `deepspeed --num_gpus N --module mode.train` every rank checks the config
+    and each printed the same `config error:` line (N lines). Runtime faults stay per rank."""
+    from mode.config import ConfigError
+    from mode.errors import guarded
+
+    def bad(argv):
+        raise ConfigError("optim.lr", float("inf"), "a finite number")
+
+    def broken(argv):
+        raise RuntimeError("rank-local fault")
+
+    said = {}
+    for local_rank in (None, "0", "1", "3"):
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert guarded(bad, []) == 2
+        said[local_rank] = one_line(capsys.readouterr().err)
+        assert guarded(broken, []) == 1 and "rank-local fault" in capsys.readouterr().err
+    assert said[None] == said["0"] == ["config error: optim.lr=inf: a finite number"]
+    assert said["1"] == said["3"] == []
+
+
 def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, capsys):
     from mode.cli import main
 
