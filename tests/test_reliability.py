@@ -401,6 +401,30 @@ def test_a_config_error_is_said_once_per_node_not_once_per_rank(monkeypatch, cap
     assert said["1"] == said["3"] == []
 
 
+def test_an_experiment_yaml_with_a_duplicated_variant_is_refused(tmp_path, monkeypatch, capsys):
+    """Bug caught: `mode compare` read its experiment YAML with PyYAML's default loader, which keeps
+    the last of two same-named variants silently (a whole arm of the comparison vanished)."""
+    from mode.cli import main
+    from mode.config import ConfigError
+
+    from analysis.isoflop import load_budgets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = ROOT / CFG
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(f"name: x\nruns_dir: {tmp_path / 'runs'}\nbudgets: 1.0e15\nvariants:\n"
+                   f"  dense: {{config: {cfg}}}\n  dense: {{config: {cfg}, overrides: [model.n_layers=3]}}\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: x\xff\x00\n")
+    for path, why in ((dup, "duplicate key 'dense'"), (binary, "not UTF-8")):
+        assert main(["compare", str(path), "--dry-run"]) == 2
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith("config error: ") and why in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="duplicate key 'dense'"):
+        load_budgets(dup)  # `mode analyze --experiment` reads it the same way
+
+
 def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, capsys):
     from mode.cli import main
 
