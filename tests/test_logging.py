@@ -79,6 +79,23 @@ def test_efficiency_is_training_flops_over_peak():
     assert e["perf/mfu"] == pytest.approx(0.3, rel=1e-12)
 
 
+@pytest.mark.parametrize("name,precision,peak", [("NVIDIA H200", "bf16", 989.0), ("NVIDIA H100 80GB HBM3", "fp32", 67.0),
+                                                  ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+                                                  ("NVIDIA A100-SXM4-40GB", "fp32", 19.5)])
+def test_gpu_peak_is_the_datasheet_value_for_the_precision(monkeypatch, name, precision, peak):
+    """The MFU denominator on a GPU: NVIDIA's dense (no sparsity) tensor-core bf16 / plain fp32
+    TFLOP/s of the SXM parts, chosen by deepspeed.precision. An unknown GPU gives NaN and says so."""
+    from mode.metrics import default_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    got, src = default_peak_tflops(precision)
+    assert got == peak and precision in src
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
+    got, src = default_peak_tflops(precision)
+    assert got != got and "perf.peak_tflops" in src
+
+
 def test_measured_cpu_peak_is_plausible():
     from mode.metrics import measure_matmul_tflops
 
