@@ -381,6 +381,18 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped_at_2):
+    """Bug caught: the same time-boxed command run again (a requeued job) started the engine,
+    trained nothing, and rewrote run_info.json and a TensorBoard file."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    before = snapshot(run)
+    for stop in (2, 1):  # at it, and past it
+        r = mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}", f"train.stop_at={stop}")
+        assert f"already at step 2 (train.stop_at={stop}): nothing to do" in r.stdout, r.stdout
+        assert snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
     run = copy_run(stopped_at_2[0], tmp_path / "run")
     args = [*TINY, *STEPS, f"run.dir={run}"]
