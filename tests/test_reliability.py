@@ -441,6 +441,24 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, 
         assert len(lines) == 1 and lines[0].startswith("config error: "), (args, lines)
 
 
+def test_analyze_refuses_a_missing_directory_or_bad_option_in_one_line(tmp_path, monkeypatch, capsys):
+    """Bug caught: `mode analyze` kept argparse's two-line usage + error for a missing RUNS_DIR
+    (and a mistyped option), unlike every other command."""
+    from mode.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for args, start in ((["analyze", "nothere"], "config error: RUNS_DIR='nothere': an existing directory"),
+                        (["analyze", str(tmp_path), "--outt", "x"], "mode analyze: error: unrecognized arguments")):
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse's exit, as `mode` exits from the command line
+            code = e.code
+        assert code == 2, args
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith(start), (args, lines)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_top_level_help_and_unknown_command(capsys):
     """`mode --help` lists the commands on stdout (exit 0); a mistyped command is named in one line (exit 2)."""
     from mode.cli import COMMANDS, main
