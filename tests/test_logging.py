@@ -129,7 +129,7 @@ def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
     from mode.config import load_config
     from mode.prepare import prepare, read_manifest
 
-    cfg = load_config(CFG, [*TINY, f"data.prepared_dir={tmp_path}"])
+    cfg = load_config(CFG, [*TINY, "data.num_workers=1", f"data.prepared_dir={tmp_path}"])  # 1: in-process
     path = prepare(cfg.data, progress=True)  # under capsys stderr is not a terminal
     err = capsys.readouterr().err
     assert "\r" not in err
