@@ -26,7 +26,7 @@ import yaml
 
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, config_signature, forward_flops_per_token, load_runs,
                          variant_colors, variant_sort_key)
-from mode.config import ConfigError
+from mode.config import ConfigError, parse_yaml
 
 BUDGETS_ALLOWED = "a positive FLOP number or a non-empty list of them, e.g. [1.0e15, 3.0e15]"
 # What an isoFLOP sweep varies between the runs of one curve: the model's size and, to hold the
@@ -60,7 +60,7 @@ def load_budgets(experiment_yaml: str | Path) -> list[float] | None:
     """`parse_budgets` of an experiment YAML file (`mode analyze --experiment`)."""
     path = Path(experiment_yaml)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = parse_yaml(path.read_bytes().decode("utf-8"))  # as `mode compare` reads it: duplicate keys refused
     except (OSError, UnicodeDecodeError):
         raise ConfigError("--experiment", str(path), "an existing experiment YAML file") from None
     except yaml.YAMLError as e:

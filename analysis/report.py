@@ -15,7 +15,6 @@ Training FLOPs = 3 x forward FLOPs per token x tokens seen (backward ~ 2x forwar
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -572,18 +571,22 @@ def summary_json(table: dict[str, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mode analyze", description="Comparison report of the runs under RUNS_DIR.")
+    from mode.errors import OneLineParser
+
+    p = OneLineParser(prog="mode analyze", description="Comparison report of the runs under RUNS_DIR.")
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
     p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
     p.add_argument("--experiment", metavar="YAML", default=None,
                    help="experiment YAML; its top-level FLOP `budgets:` group an isoFLOP grid (else budgets are "
                         "clustered), as `mode compare` does")
     args = p.parse_args(argv)
-    if not Path(args.runs_dir).is_dir():
-        p.error(f"RUNS_DIR {args.runs_dir!r} is not a directory")
     from analysis.isoflop import load_budgets
     from mode.config import ConfigError
 
+    if not Path(args.runs_dir).is_dir():
+        print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
+                                                     "directory)"), file=sys.stderr)
+        return 2
     try:
         path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
     except ConfigError as e:  # a bad `budgets:`: one line, nothing written

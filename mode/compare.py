@@ -72,7 +72,7 @@ from pathlib import Path
 
 import yaml
 
-from mode.config import Config, ConfigError
+from mode.config import Config, ConfigError, parse_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "slurm")
@@ -191,9 +191,11 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
     if not path.is_file():
         raise ConfigError("EXPERIMENT", str(path), "an existing experiment YAML file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path.read_bytes().decode("utf-8")) or {}  # a duplicated key (variant) is refused
+    except UnicodeDecodeError as e:
+        raise _bad(path, f"not UTF-8 text (byte {e.start}); an experiment YAML is expected")
     except yaml.YAMLError as e:
-        raise _bad(path, f"not valid YAML ({str(e).splitlines()[0]})")
+        raise _bad(path, f"not valid YAML ({' '.join(str(e).split())})")
     if not isinstance(raw, dict):
         raise _bad(path, "the top level must be a mapping")
     _unknown(raw, EXPERIMENT_KEYS, path, "")

@@ -91,6 +91,8 @@ def continue_command(config: str, overrides: list[str]) -> str:
     """The command that continues a run stopped by train.stop_at (the same, without stop_at)."""
     rest = [o for o in overrides if not o.startswith("train.stop_at=")]
     cmd = shlex.join(["mode", "train", "--config", config, *rest])
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        return f"the same launch command without train.stop_at (single process: {cmd})"
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:  # a single-process `mode train` would be refused: the checkpoint belongs to this world size
+        return (f"the same {world}-process launch command without train.stop_at (a checkpoint resumes only at "
+                f"the world size it was saved with), whose trainer arguments are: {shlex.join(['--config', config, *rest])}")
     return cmd

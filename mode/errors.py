@@ -50,5 +50,8 @@ def guarded(fn, argv: list[str]) -> int:
         if debug:
             raise
         line, code = one_line(e)
-        print(line, file=sys.stderr, flush=True)
+        if code != 2 or os.environ.get("LOCAL_RANK") in (None, "", "0"):
+            # A config error is the same on every rank of a node (same arguments, same files): only
+            # the node's first rank says it, instead of one identical line per rank.
+            print(line, file=sys.stderr, flush=True)
         return code

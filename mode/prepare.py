@@ -638,6 +638,38 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
 PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
 
 
+def progress_bar(desc: str, every_s: float = 60.0):
+    """A tqdm bar on a terminal; in a log file (every cluster job) its carriage-return redraws
+    would be all the log holds, so there one plain line per `every_s` seconds and one at the end."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
+    return PlainProgress(desc, every_s)
+
+
+class PlainProgress:
+    """tqdm's update/close, printed as plain lines: `<desc>: N tokens in T s (R tokens/s)`."""
+
+    def __init__(self, desc: str, every_s: float):
+        self.desc, self.every_s, self.n = desc, every_s, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            self._line("")
+
+    def close(self) -> None:
+        self._line(", done")
+
+    def _line(self, end: str) -> None:
+        dt = time.perf_counter() - self.t0
+        print(f"{self.desc}: {self.n:,} tokens in {dt:.0f} s ({self.n / max(dt, 1e-9):,.0f} tokens/s){end}",
+              file=sys.stderr, flush=True)
+
+
 def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     """Tokenize into `tmp`. Whenever a shard completes, both splits' open shards are closed and
     progress.json records them with the source position, so a killed prepare resumes there."""
@@ -675,10 +707,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
 
             for (r, done) in encode(itertools.islice(it, skip, None)):
                 if progress and bar is None:  # opened at the first batch: a bad source prints only its error
-                    from tqdm import tqdm
-
-                    bar = tqdm(desc=f"prepare {tmp.name.removesuffix('.tmp')}", unit="tok", unit_scale=True,
-                               dynamic_ncols=True, file=sys.stderr)
+                    bar = progress_bar(f"prepare {tmp.name.removesuffix('.tmp')}")
                 if bar is not None:
                     bar.update(len(r[0]))
                 shards = len(train.shards) + len(val.shards)

@@ -123,8 +123,9 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
     check_backend(cfg)
     check_loggers(cfg)
     check_build_locks()
+    saved = check_run_dir(cfg, lock)  # before the data: a refused run.dir must not wait for (or write) a prepare
     check_data(cfg, write=prepare_data)
-    return check_run_dir(cfg, lock)
+    return saved
 
 
 def check_world(cfg: Config, world: int) -> None:
@@ -141,15 +142,20 @@ def check_world(cfg: Config, world: int) -> None:
 
 
 def finished(cfg: Config) -> str | None:
-    """A message when run.dir holds this run already finished (DONE at train.max_steps), else None."""
+    """A message when run.dir holds this run already finished (DONE at train.max_steps) or already
+    at its train.stop_at (the same time-boxed command run again), else None: nothing to do."""
     run_dir = Path(cfg.run.dir)
     step = ckpt.latest_step(run_dir)
-    if cfg.run.fresh or not (run_dir / "DONE").exists() or step is None:
+    if cfg.run.fresh or step is None:
         return None
-    if step < cfg.train.max_steps:
-        return None
-    return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
-            "run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues")
+    if (run_dir / "DONE").exists() and step >= cfg.train.max_steps:
+        return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
+                "run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues")
+    stop = cfg.train.stop_at
+    if 0 < stop <= step:
+        return (f"run.dir={str(run_dir)!r} is already at step {step} (train.stop_at={stop}): nothing to do, nothing "
+                "written; the same command without train.stop_at (or with a later one) continues it")
+    return None
 
 
 class Trainer:

@@ -79,6 +79,23 @@ def test_efficiency_is_training_flops_over_peak():
     assert e["perf/mfu"] == pytest.approx(0.3, rel=1e-12)
 
 
+@pytest.mark.parametrize("name,precision,peak", [("NVIDIA H200", "bf16", 989.0), ("NVIDIA H100 80GB HBM3", "fp32", 67.0),
+                                                  ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+                                                  ("NVIDIA A100-SXM4-40GB", "fp32", 19.5)])
+def test_gpu_peak_is_the_datasheet_value_for_the_precision(monkeypatch, name, precision, peak):
+    """The MFU denominator on a GPU: NVIDIA's dense (no sparsity) tensor-core bf16 / plain fp32
+    TFLOP/s of the SXM parts, chosen by deepspeed.precision. An unknown GPU gives NaN and says so."""
+    from mode.metrics import default_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    got, src = default_peak_tflops(precision)
+    assert got == peak and precision in src
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
+    got, src = default_peak_tflops(precision)
+    assert got != got and "perf.peak_tflops" in src
+
+
 def test_measured_cpu_peak_is_plausible():
     from mode.metrics import measure_matmul_tflops
 
@@ -105,6 +122,24 @@ def test_cpu_peak_is_the_best_measured_on_this_machine(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mode_cpu_peak.json"]  # no temporary left
 
 
+def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
+    """Bug caught: with output redirected to a file (every cluster job), preparing the data at the
+    start of a run wrote tqdm's carriage-return redraws into the log. Now: plain lines, the last
+    one counting every token encoded (the manifest's train + validation tokens)."""
+    from mode.config import load_config
+    from mode.prepare import prepare, read_manifest
+
+    cfg = load_config(CFG, [*TINY, "data.num_workers=1", f"data.prepared_dir={tmp_path}"])  # 1: in-process
+    path = prepare(cfg.data, progress=True)  # under capsys stderr is not a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare ") and lines[0].endswith(", done"), lines
+    splits = read_manifest(path)["splits"]
+    assert int(re.search(r": ([\d,]+) tokens", lines[0]).group(1).replace(",", "")) == sum(
+        splits[s]["tokens"] for s in ("train", "val"))
+
+
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged"."""
     from mode.config import load_config
@@ -119,6 +154,20 @@ def test_readme_documents_every_model_metric():
         out = model(x, x)
         missing = {generic(k) for k in out.metrics} - docs
         assert not missing, f"{preset.name}: undocumented tags {missing}"
+
+
+def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatch):
+    """Bug caught: a 2-rank run stopped by train.stop_at offered a single-process `mode train`
+    command to continue, which the world-size check then refuses."""
+    from mode.console import continue_command
+
+    args = ["run.dir=r", "train.stop_at=4", "train.max_steps=8"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    msg = continue_command("c.yaml", args)
+    assert "mode train" not in msg and "single process" not in msg and "stop_at" in msg  # "without stop_at"
+    assert "2-process launch command" in msg and msg.endswith("--config c.yaml run.dir=r train.max_steps=8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,6 +381,18 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped_at_2):
+    """Bug caught: the same time-boxed command run again (a requeued job) started the engine,
+    trained nothing, and rewrote run_info.json and a TensorBoard file."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    before = snapshot(run)
+    for stop in (2, 1):  # at it, and past it
+        r = mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}", f"train.stop_at={stop}")
+        assert f"already at step 2 (train.stop_at={stop}): nothing to do" in r.stdout, r.stdout
+        assert snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
     run = copy_run(stopped_at_2[0], tmp_path / "run")
     args = [*TINY, *STEPS, f"run.dir={run}"]
@@ -339,6 +400,7 @@ def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
     r = deepspeed_train(2, CFG, *args, check=False)
     assert r.returncode != 0
     assert "config error: run.dir=" in r.stdout + r.stderr and "world size 1" in r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("config error:") == 1  # said once, not by every rank
     assert snapshot(run) == before
     assert json.loads((run / "run_info.json").read_text())["world_size"] == 1
 

@@ -62,6 +62,24 @@ def test_fresh_refuses_a_directory_mode_did_not_write(tmp_path):
     assert (notes / "thesis.tex").read_text() == "years of work"
 
 
+def test_a_refused_run_dir_is_refused_before_the_data_is_prepared(tmp_path):
+    """Bug caught: the pre-launch check prepared the data (minutes to hours for a hub corpus, and
+    a tqdm bar on the console) before it looked at run.dir, so `run.fresh=true` on a user's
+    directory was refused only after the whole prepare, which it had written to disk."""
+    from mode.config import ConfigError, load_config
+    from mode.train import preflight
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    prepared = tmp_path / "prepared"
+    cfg = load_config(CFG, [*TINY, f"run.dir={notes}", "run.fresh=true", f"data.prepared_dir={prepared}"])
+    with pytest.raises(ConfigError, match="thesis.tex"):
+        preflight(cfg)
+    assert not prepared.exists()  # nothing prepared, nothing written
+    assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
+
+
 def test_fresh_empties_only_a_mode_run(tmp_path):
     from mode import rundir
 
@@ -358,6 +376,55 @@ def test_debug_flag_shows_the_traceback(tmp_path, monkeypatch):
         main(["--debug", "train", "--print-config", "--config", str(ROOT / CFG), "optim.lr=.inf"])
 
 
+def test_a_config_error_is_said_once_per_node_not_once_per_rank(monkeypatch, capsys):
+    """Bug caught: under `deepspeed --num_gpus N --module mode.train` every rank checks the config
+    and each printed the same `config error:` line (N lines). Runtime faults stay per rank."""
+    from mode.config import ConfigError
+    from mode.errors import guarded
+
+    def bad(argv):
+        raise ConfigError("optim.lr", float("inf"), "a finite number")
+
+    def broken(argv):
+        raise RuntimeError("rank-local fault")
+
+    said = {}
+    for local_rank in (None, "0", "1", "3"):
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert guarded(bad, []) == 2
+        said[local_rank] = one_line(capsys.readouterr().err)
+        assert guarded(broken, []) == 1 and "rank-local fault" in capsys.readouterr().err
+    assert said[None] == said["0"] == ["config error: optim.lr=inf: a finite number"]
+    assert said["1"] == said["3"] == []
+
+
+def test_an_experiment_yaml_with_a_duplicated_variant_is_refused(tmp_path, monkeypatch, capsys):
+    """Bug caught: `mode compare` read its experiment YAML with PyYAML's default loader, which keeps
+    the last of two same-named variants silently (a whole arm of the comparison vanished)."""
+    from mode.cli import main
+    from mode.config import ConfigError
+
+    from analysis.isoflop import load_budgets
+
+    monkeypatch.chdir(tmp_path)
+    cfg = ROOT / CFG
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(f"name: x\nruns_dir: {tmp_path / 'runs'}\nbudgets: 1.0e15\nvariants:\n"
+                   f"  dense: {{config: {cfg}}}\n  dense: {{config: {cfg}, overrides: [model.n_layers=3]}}\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: x\xff\x00\n")
+    for path, why in ((dup, "duplicate key 'dense'"), (binary, "not UTF-8")):
+        assert main(["compare", str(path), "--dry-run"]) == 2
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith("config error: ") and why in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="duplicate key 'dense'"):
+        load_budgets(dup)  # `mode analyze --experiment` reads it the same way
+
+
 def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, capsys):
     from mode.cli import main
 
@@ -372,6 +439,24 @@ def test_other_commands_refuse_bad_arguments_in_one_line(tmp_path, monkeypatch, 
         assert main(args) == 2, args
         lines = one_line(capsys.readouterr().err)
         assert len(lines) == 1 and lines[0].startswith("config error: "), (args, lines)
+
+
+def test_analyze_refuses_a_missing_directory_or_bad_option_in_one_line(tmp_path, monkeypatch, capsys):
+    """Bug caught: `mode analyze` kept argparse's two-line usage + error for a missing RUNS_DIR
+    (and a mistyped option), unlike every other command."""
+    from mode.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for args, start in ((["analyze", "nothere"], "config error: RUNS_DIR='nothere': an existing directory"),
+                        (["analyze", str(tmp_path), "--outt", "x"], "mode analyze: error: unrecognized arguments")):
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse's exit, as `mode` exits from the command line
+            code = e.code
+        assert code == 2, args
+        lines = one_line(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith(start), (args, lines)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_top_level_help_and_unknown_command(capsys):
