@@ -256,7 +256,9 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     import huggingface_hub
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()  # retries and warnings would break the one-line error
+    # Retries, warnings and the json builder's own "Failed to load JSON" error log would break the
+    # one-line error (the exception that follows carries the same message).
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()
     key = "data.source" if which == "source" else "data.val_source"
     spec = getattr(cfg, which)
@@ -274,11 +276,12 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     if cfg.hub_config and not repo and (looks_local(spec) or spec == "stdlib"):
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
                           "of a hub dataset or of a local dataset repository whose README.md lists `configs:`)")
-    if (looks_local(spec) or spec == "stdlib") and not repo:
+    local = (looks_local(spec) or spec == "stdlib") and not repo
+    if local:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
         fmt = _format(cfg, files, key, spec)
-        if fmt == "text":
+        if fmt in ("text", "json"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
             check_utf8(files, key, spec)
         kw = {"sample_by": cfg.sample_by} if fmt == "text" else {}
         try:
@@ -312,7 +315,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     def docs():
         import itertools
 
-        rows = itertools.chain([first], it)
+        rows = itertools.chain([first], _local_rows(it, key, spec) if local else it)
         if cfg.max_documents:
             rows = itertools.islice(rows, cfg.max_documents)
         for row in rows:
@@ -322,6 +325,16 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
             yield text
 
     return docs(), desc, files
+
+
+def _local_rows(it, key: str, spec: str):
+    """Rows of a local source; a file that cannot be parsed past its first block (a malformed JSON
+    line deep in a large file) is bad input, found mid-prepare: one config error line (a hub stream's
+    mid-way failure stays a runtime error, resumable after its last complete shard)."""
+    try:
+        yield from it
+    except Exception as e:  # noqa: BLE001 - pyarrow, json and datasets raise many kinds
+        raise ConfigError(key, spec, f"readable documents ({_first_line(e)})") from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -461,6 +461,10 @@ def _bad_inputs(tmp_path):
     (d / "short.txt").write_text("tiny")
     (d / "bin.txt").write_bytes(b"text\0\1\2binary")
     (d / "latin1.txt").write_bytes("caf\xe9 ol\xe9".encode("latin-1"))
+    # JSON files too (a later row: the first rows read fine, datasets failed mid-prepare with exit 1)
+    (d / "latin1.jsonl").write_bytes(b"\n".join([json.dumps({"text": t}).encode() for t in DOCS[:3]]
+                                                + ['{"text": "caf\xe9"}'.encode("latin-1")]))
+    (d / "bin.jsonl").write_bytes(b"\x00\x01\x89PNG\x00" * 20)
     (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
     repo, _ = _repo(tmp_path)
     tok = _bpe(tmp_path)
@@ -483,6 +487,8 @@ def _bad_inputs(tmp_path):
          "config error: data.seq_len=4000: < the val split's", None),
         ([f"data.source={d}/bin.txt"], "is binary (NUL byte at 4)", None),
         ([f"data.source={d}/latin1.txt"], "latin1.txt is not UTF-8 (byte 3)", None),
+        ([f"data.source={d}/latin1.jsonl"], "latin1.jsonl is not UTF-8 (byte", None),
+        ([f"data.source={d}/bin.jsonl"], "bin.jsonl is binary (NUL byte at 0)", None),
         (["data.source=no-such-org-zz/no-such-dataset"], "config error: data.source='no-such-org-zz/no-such-dataset'",
          None),
         (["data.source=no-such-org-zz/no-such-dataset", "data.hub_config=en"],
@@ -524,6 +530,43 @@ def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeyp
     # seq_len only cuts windows; the stale case's data was prepared by its setup)
     assert not list(prepared.glob("*.tmp")) and not list(prepared.glob("*.lock"))
     assert len(list(prepared.glob("*/"))) == 1 + (not print_config)
+
+
+def _breaks_mid_stream(tmp_path) -> Path:
+    """Two jsonl files, the second malformed: its error comes from the stream after the first
+    file's documents were read (in a large file, past the json builder's first 10 MB block)."""
+    d = tmp_path / "two"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in DOCS))
+    (d / "b.jsonl").write_text('{"text": "an unterminated string\n')
+    return d
+
+
+def test_a_source_that_breaks_mid_stream_is_one_config_error(tmp_path):
+    # Bug caught: the parse error of a later file escaped as a runtime `error:` (exit 1) and left
+    # the half-written <name>.tmp/ behind.
+    d = _breaks_mid_stream(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^config error: data.source='{d}': readable documents \(ArrowInvalid"):
+        prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)
+    assert not list((tmp_path / "prepared").iterdir())
+
+
+@pytest.mark.slow
+def test_bad_json_sources_print_exactly_one_line(tmp_path):
+    """Through the CLI, so every stderr writer counts (the json builder's own "Failed to load JSON"
+    log line came before the config error line: two lines)."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "rows.jsonl").write_text('{"text": "an unterminated string\n')
+    (d / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}'.encode("latin-1"))
+    for src, needle in ((d / "rows.jsonl", "readable documents"), (_breaks_mid_stream(tmp_path), "readable documents"),
+                        (d / "latin1.jsonl", "is not UTF-8")):
+        r = mode_cli("data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={src}",
+                     "data.num_workers=1", f"data.prepared_dir={tmp_path / 'p'}", "log.progress=false", check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("config error: data.source="), r.stderr
+        assert needle in lines[0], r.stderr
+    assert not list((tmp_path / "p").iterdir())
 
 
 def test_print_config_writes_no_prepared_data(tmp_path, capsys, monkeypatch):
