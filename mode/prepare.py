@@ -670,7 +670,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     phase, read, n, dup = (st["phase"], st["read"], st["n"], st["dup"]) if st else (
         "val" if val_docs is not None else "train", 0, 0, 0)
     seen = set(np.load(tmp / "val_hashes.npy").tolist()) if st and (tmp / "val_hashes.npy").is_file() else set()
-    workers = cfg.num_workers or os.cpu_count() or 1
+    workers = cfg.num_workers or usable_cores()
     bar = None
 
     def checkpoint(phase, read):
@@ -732,6 +732,12 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             "train_documents_dropped_as_validation_duplicates": dup,
             "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
             "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a SLURM allocation or `taskset` on a big
+    node), not every core of the machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _refuse_empty(cfg: DataConfig, train_tokens: int, val_tokens: int, train_documents: int) -> None:

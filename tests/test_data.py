@@ -72,6 +72,15 @@ def test_local_formats_give_the_same_documents(corpus, tmp_path, fmt):
     assert torch.equal(w[1:, 0], w[:-1, -1]) and dm.n_train == (m["splits"]["train"]["tokens"] - 1) // 8
 
 
+def test_default_workers_are_the_cores_this_process_may_use(corpus, tmp_path, monkeypatch):
+    """data.num_workers=0 on a big node where the job was given one core (SLURM's cpuset, taskset):
+    one tokenizer process, not one per core of the machine."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    path = prep.prepare(dcfg(tmp_path, source=str(corpus / "docs.parquet"), num_workers=0), progress=False)
+    assert prep.read_manifest(path)["workers"] == 1
+
+
 def test_permutation_is_a_bijection_and_depends_on_the_seed():
     for n in (1, 2, 3, 7, 64, 1000, 4097):
         p = permute(np.arange(n), n, seed=5)
