@@ -615,6 +615,13 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
     Safe to call from every rank at once: the first takes the lock and prepares, the rest wait."""
     tok = build_tokenizer(cfg)
     out = prepared_path(cfg)
+    manifest = read_manifest(out)
+    if manifest is not None and not force:
+        # Prepared already: no lock. A manifest exists only in a complete directory (it is renamed
+        # into place whole), and every rank of a job comes here at start-up: through the lock they
+        # would check the manifest one at a time.
+        check_manifest(cfg, out, manifest, tok)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f"{out.name}.lock"):
         manifest = read_manifest(out)

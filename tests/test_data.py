@@ -324,6 +324,38 @@ def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, mo
     assert not list(out[0].parent.glob("*.lock"))
 
 
+def test_prepared_data_is_opened_without_waiting_for_the_lock(corpus, tmp_path):
+    """Every rank opens the prepared data at start-up. Bug caught: each took the exclusive lock to
+    read and check the manifest, so a job's ranks queued behind one another (and behind any
+    prepare of the same directory): start-up grew with the number of ranks."""
+    import fcntl
+    import threading
+
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = prep.prepare(cfg, progress=False)
+    lock = out.parent / f"{out.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process holds the lock (e.g. a `--force` rebuild waiting to start)
+    got = []
+    t = threading.Thread(target=lambda: got.append(prep.prepare(cfg, progress=False)), daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        assert got == [out], "opening prepared data waited for the lock"
+    finally:
+        os.unlink(lock)  # as a holder leaves it: a waiter sees its file gone and returns
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        t.join(30)
+    # a stale directory is still refused, and --force still rebuilds it under the lock
+    m = prep.read_manifest(out)
+    m["data"]["split_seed"] = 7
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="is stale"):
+        prep.prepare(cfg, progress=False)
+    assert prep.prepare(cfg, force=True, progress=False) == out and prep.read_manifest(out)["data"]["split_seed"] == 1234
+
+
 def _repo(tmp_path) -> tuple[Path, dict]:
     """A local dataset repository laid out as on the hub: two configs, each with its own files and
     train/validation splits, listed in README.md's YAML header (what `load_dataset(dir, name=)` reads)."""
