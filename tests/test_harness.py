@@ -153,6 +153,16 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 
+def test_shipped_task_run_from_another_directory_says_where_its_data_is_read_from(tmp_path, capsys, monkeypatch):
+    """The example YAMLs name their data relative to the repository root (datasets reads them from
+    the current directory): from elsewhere, the one line says so instead of only "file not found"."""
+    _, run = fake_run(tmp_path, "dense")
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path",
+                             str(ROOT / "configs/eval")], f"read from the current directory {tmp_path}: run from")
+    assert not (run / "eval").exists()
+
+
 def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
     import mode.harness
 
