@@ -130,6 +130,42 @@ def test_windows_crossing_shards_equal_one_stream(corpus, tmp_path, monkeypatch)
     assert documents(many.path, "train") == documents(one.path, "train")
 
 
+def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
+    """Each memory-mapped shard holds a file descriptor. Bug caught: a prepared corpus with more
+    shards than the soft limit (1,024 is common; the 1.3T-token preset makes ~5,000) failed to
+    open with `Too many open files`. The soft limit is raised within the hard one; past the hard
+    one, one config error line."""
+    import resource
+
+    d = tmp_path / "c"
+    d.mkdir()
+    docs = [f"doc {i} " * 3 for i in range(150)]
+    (d / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs))
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=1))  # a shard per document
+    cfg = dcfg(tmp_path, source=str(d / "docs.jsonl"), shard_tokens=1, val_fraction=0.1)
+    path = prep.prepare(cfg, progress=False)
+    m = prep.read_manifest(path)
+    n_shards = len(m["splits"]["train"]["shards"]) + len(m["splits"]["val"]["shards"])
+    assert n_shards == 150
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 60, limits[1]))  # room for 60 more files
+        dm = DataModule(cfg)
+        w = dm.train.windows(range(dm.n_train), 8)
+        assert len(w) == dm.n_train and resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= n_shards
+        del dm, w
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (100, 120))  # a hard limit below the shards
+    with pytest.raises(ConfigError, match=r"^config error: data.shard_tokens=1: shards few enough to keep open: "
+                                          r"this prepared data has 150 and the hard limit of open files is 120"):
+        check_data(load_config(None, [f"data.source={d / 'docs.jsonl'}", f"data.prepared_dir={tmp_path / 'prepared'}",
+                                      "data.shard_tokens=1", "data.val_fraction=0.1", "data.seq_len=8",
+                                      "data.num_workers=1"]))
+
+
 def test_val_source_is_never_trained_on(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
