@@ -205,6 +205,15 @@ def test_export_eval_generate_end_to_end(tmp_path):
     nats = -sum(rolling_ref(model, d) for d in docs)
     n_bytes = sum(len(d.encode()) for d in docs)
     assert abs(res["results"]["stdlib_ppl"]["bits_per_byte,none"] - nats / n_bytes / math.log(2)) <= 1e-5
+    # multiple choice through the harness: acc = the gold choice has the highest log P(choice | context),
+    # each computed here from the model's logits (the choice follows the context directly)
+    def ll(ctx, cont):
+        s = [TOK.eos_id] + TOK.encode(ctx + cont).tolist()
+        return stream_ref(model, s, len(s) - len(TOK.encode(cont)))[0]
+
+    mc = [json.loads(ln) for ln in (ROOT / "configs/eval/data/stdlib_next_line.jsonl").read_text().splitlines()[:3]]
+    hits = [max(range(len(d["choices"])), key=lambda j: ll(d["context"], d["choices"][j])) == d["gold"] for d in mc]
+    assert res["results"]["stdlib_next_line"]["acc,none"] == pytest.approx(sum(hits) / 3)
     # the run directory itself, with top-k routing, and its default results path
     mode_cli("eval", "--run", run, "--tasks", "stdlib_next_line", "--include-path", "configs/eval", "--limit", "2",
              "--routing", "topk")
