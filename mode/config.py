@@ -263,7 +263,7 @@ class DataConfig:
     prepared_dir: str = "data/prepared"
     """Where tokenized shards live (`mode data prepare`); one subdirectory per data config, shared by every run that uses it."""
     num_workers: int = 0
-    """Tokenizer processes of the prepare step; 0 = the machine's cores."""
+    """Tokenizer processes of the prepare step; 0 = the cores this process may use (its CPU affinity, e.g. a SLURM allocation)."""
     shard_tokens: int = 268435456
     """Tokens per shard file of the prepare step (a shard ends at the first document boundary past it); a killed prepare resumes after its last complete shard."""
 

@@ -108,6 +108,28 @@ class TokenSplit:
         return torch.from_numpy(out)
 
 
+FD_HEADROOM = 256  # open files the rest of a rank needs (sockets, libraries, checkpoints)
+
+
+def room_for_shards(cfg: DataConfig, manifest: dict, raise_limit: bool = False) -> None:
+    """Every shard stays memory-mapped, and each mapping holds a file descriptor (CPython's mmap
+    keeps a duplicate): a prepared hub corpus of ~5,000 shards exceeds the common soft limit of
+    1,024 open files. The soft limit is raised as far as the hard one allows (`raise_limit`);
+    beyond that, one config error line before any worker starts."""
+    import resource
+
+    need = sum(len(manifest["splits"][s]["shards"]) for s in ("train", "val")) + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError("data.shard_tokens", cfg.shard_tokens, f"shards few enough to keep open: this prepared "
+                          f"data has {need - FD_HEADROOM} and the hard limit of open files is {hard} (`ulimit -Hn`); "
+                          "raise it, or rebuild with a larger data.shard_tokens (`mode data prepare --force`)")
+    if raise_limit:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def open_prepared(cfg: DataConfig, progress: bool = False):
     """(directory, manifest) of the prepared data for `cfg` (prepared now if missing), checked
     against the config."""
@@ -117,6 +139,7 @@ def open_prepared(cfg: DataConfig, progress: bool = False):
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                           f"prepared data at {path} (run `mode data prepare --config F` first)")
     check_manifest(cfg, path, manifest, build_tokenizer(cfg))
+    room_for_shards(cfg, manifest)
     return path, manifest
 
 
@@ -152,6 +175,7 @@ class DataModule:
         self.tokenizer = build_tokenizer(cfg)
         self.path, self.manifest = open_prepared(cfg)
         dtype = self.manifest["dtype"]
+        room_for_shards(cfg, self.manifest, raise_limit=True)
         self.train = TokenSplit(self.path, self.manifest["splits"]["train"], dtype)
         self.val = TokenSplit(self.path, self.manifest["splits"]["val"], dtype)
         S = cfg.seq_len

@@ -291,8 +291,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         if e.key not in ("data.source", "data.val_source"):
             raise
         cfg = load_config(run_dir / "config.yaml", over + ["data.source=stdlib", "data.val_source="])
-    model = build_model(cfg.model)
     if exported:
+        model = build_model(cfg.model)
         source = run_dir / WEIGHTS
         load_weights(model, source)
     else:
@@ -304,6 +304,11 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         state = torch.load(source, map_location="cpu", weights_only=True)
         state = state.get("module", state) if isinstance(state, dict) else state
         state = {k.removeprefix("module."): v for k, v in state.items()}
+        if cfg.model.moe.backend == "deepspeed":  # its layers need torch.distributed: sample with native
+            from mode.portable import deepspeed_moe_to_native
+
+            cfg, state = deepspeed_moe_to_native(cfg, state, ckpt)
+        model = build_model(cfg.model)
         model.load_state_dict(state)
     out = (model.to(device).eval(), build_tokenizer(cfg.data), cfg)
     return (*out, source) if return_source else out

@@ -246,6 +246,9 @@ def _task_manager(tasks: list[str], include_path: str | None):
             tm.load([t])
         except Exception as e:  # datasets raises many kinds: missing file, no network, bad schema
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if isinstance(e, FileNotFoundError):  # datasets reads a YAML's relative data_files from the cwd
+                msg += (f"; relative data paths are read from the current directory {Path.cwd()}: run from "
+                        "the directory they are relative to (the repository root for configs/eval)")
             raise ConfigError("--tasks", msg=f"--tasks={t!r}: its data could not be loaded ({type(e).__name__}: {msg})")
     return tm
 

@@ -256,7 +256,9 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     import huggingface_hub
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()  # retries and warnings would break the one-line error
+    # Retries, warnings and the json builder's own "Failed to load JSON" error log would break the
+    # one-line error (the exception that follows carries the same message).
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()
     key = "data.source" if which == "source" else "data.val_source"
     spec = getattr(cfg, which)
@@ -274,11 +276,12 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     if cfg.hub_config and not repo and (looks_local(spec) or spec == "stdlib"):
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
                           "of a hub dataset or of a local dataset repository whose README.md lists `configs:`)")
-    if (looks_local(spec) or spec == "stdlib") and not repo:
+    local = (looks_local(spec) or spec == "stdlib") and not repo
+    if local:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
         fmt = _format(cfg, files, key, spec)
-        if fmt == "text":
+        if fmt in ("text", "json"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
             check_utf8(files, key, spec)
         kw = {"sample_by": cfg.sample_by} if fmt == "text" else {}
         try:
@@ -312,7 +315,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     def docs():
         import itertools
 
-        rows = itertools.chain([first], it)
+        rows = itertools.chain([first], _local_rows(it, key, spec) if local else it)
         if cfg.max_documents:
             rows = itertools.islice(rows, cfg.max_documents)
         for row in rows:
@@ -322,6 +325,16 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
             yield text
 
     return docs(), desc, files
+
+
+def _local_rows(it, key: str, spec: str):
+    """Rows of a local source; a file that cannot be parsed past its first block (a malformed JSON
+    line deep in a large file) is bad input, found mid-prepare: one config error line (a hub stream's
+    mid-way failure stays a runtime error, resumable after its last complete shard)."""
+    try:
+        yield from it
+    except Exception as e:  # noqa: BLE001 - pyarrow, json and datasets raise many kinds
+        raise ConfigError(key, spec, f"readable documents ({_first_line(e)})") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -602,6 +615,13 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
     Safe to call from every rank at once: the first takes the lock and prepares, the rest wait."""
     tok = build_tokenizer(cfg)
     out = prepared_path(cfg)
+    manifest = read_manifest(out)
+    if manifest is not None and not force:
+        # Prepared already: no lock. A manifest exists only in a complete directory (it is renamed
+        # into place whole), and every rank of a job comes here at start-up: through the lock they
+        # would check the manifest one at a time.
+        check_manifest(cfg, out, manifest, tok)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f"{out.name}.lock"):
         manifest = read_manifest(out)
@@ -689,7 +709,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     phase, read, n, dup = (st["phase"], st["read"], st["n"], st["dup"]) if st else (
         "val" if val_docs is not None else "train", 0, 0, 0)
     seen = set(np.load(tmp / "val_hashes.npy").tolist()) if st and (tmp / "val_hashes.npy").is_file() else set()
-    workers = cfg.num_workers or os.cpu_count() or 1
+    workers = cfg.num_workers or usable_cores()
     bar = None
 
     def checkpoint(phase, read):
@@ -748,6 +768,12 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             "train_documents_dropped_as_validation_duplicates": dup,
             "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
             "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a SLURM allocation or `taskset` on a big
+    node), not every core of the machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _refuse_empty(cfg: DataConfig, train_tokens: int, val_tokens: int, train_documents: int) -> None:

@@ -72,6 +72,15 @@ def test_local_formats_give_the_same_documents(corpus, tmp_path, fmt):
     assert torch.equal(w[1:, 0], w[:-1, -1]) and dm.n_train == (m["splits"]["train"]["tokens"] - 1) // 8
 
 
+def test_default_workers_are_the_cores_this_process_may_use(corpus, tmp_path, monkeypatch):
+    """data.num_workers=0 on a big node where the job was given one core (SLURM's cpuset, taskset):
+    one tokenizer process, not one per core of the machine."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    path = prep.prepare(dcfg(tmp_path, source=str(corpus / "docs.parquet"), num_workers=0), progress=False)
+    assert prep.read_manifest(path)["workers"] == 1
+
+
 def test_permutation_is_a_bijection_and_depends_on_the_seed():
     for n in (1, 2, 3, 7, 64, 1000, 4097):
         p = permute(np.arange(n), n, seed=5)
@@ -119,6 +128,42 @@ def test_windows_crossing_shards_equal_one_stream(corpus, tmp_path, monkeypatch)
     rows = list(range(one.n_train))
     assert torch.equal(many.train.windows(rows, 8), one.train.windows(rows, 8))
     assert documents(many.path, "train") == documents(one.path, "train")
+
+
+def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
+    """Each memory-mapped shard holds a file descriptor. Bug caught: a prepared corpus with more
+    shards than the soft limit (1,024 is common; the 1.3T-token preset makes ~5,000) failed to
+    open with `Too many open files`. The soft limit is raised within the hard one; past the hard
+    one, one config error line."""
+    import resource
+
+    d = tmp_path / "c"
+    d.mkdir()
+    docs = [f"doc {i} " * 3 for i in range(150)]
+    (d / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs))
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=1))  # a shard per document
+    cfg = dcfg(tmp_path, source=str(d / "docs.jsonl"), shard_tokens=1, val_fraction=0.1)
+    path = prep.prepare(cfg, progress=False)
+    m = prep.read_manifest(path)
+    n_shards = len(m["splits"]["train"]["shards"]) + len(m["splits"]["val"]["shards"])
+    assert n_shards == 150
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 60, limits[1]))  # room for 60 more files
+        dm = DataModule(cfg)
+        w = dm.train.windows(range(dm.n_train), 8)
+        assert len(w) == dm.n_train and resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= n_shards
+        del dm, w
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (100, 120))  # a hard limit below the shards
+    with pytest.raises(ConfigError, match=r"^config error: data.shard_tokens=1: shards few enough to keep open: "
+                                          r"this prepared data has 150 and the hard limit of open files is 120"):
+        check_data(load_config(None, [f"data.source={d / 'docs.jsonl'}", f"data.prepared_dir={tmp_path / 'prepared'}",
+                                      "data.shard_tokens=1", "data.val_fraction=0.1", "data.seq_len=8",
+                                      "data.num_workers=1"]))
 
 
 def test_val_source_is_never_trained_on(tmp_path):
@@ -315,6 +360,38 @@ def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, mo
     assert not list(out[0].parent.glob("*.lock"))
 
 
+def test_prepared_data_is_opened_without_waiting_for_the_lock(corpus, tmp_path):
+    """Every rank opens the prepared data at start-up. Bug caught: each took the exclusive lock to
+    read and check the manifest, so a job's ranks queued behind one another (and behind any
+    prepare of the same directory): start-up grew with the number of ranks."""
+    import fcntl
+    import threading
+
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
+    out = prep.prepare(cfg, progress=False)
+    lock = out.parent / f"{out.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process holds the lock (e.g. a `--force` rebuild waiting to start)
+    got = []
+    t = threading.Thread(target=lambda: got.append(prep.prepare(cfg, progress=False)), daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        assert got == [out], "opening prepared data waited for the lock"
+    finally:
+        os.unlink(lock)  # as a holder leaves it: a waiter sees its file gone and returns
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        t.join(30)
+    # a stale directory is still refused, and --force still rebuilds it under the lock
+    m = prep.read_manifest(out)
+    m["data"]["split_seed"] = 7
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="is stale"):
+        prep.prepare(cfg, progress=False)
+    assert prep.prepare(cfg, force=True, progress=False) == out and prep.read_manifest(out)["data"]["split_seed"] == 1234
+
+
 def _repo(tmp_path) -> tuple[Path, dict]:
     """A local dataset repository laid out as on the hub: two configs, each with its own files and
     train/validation splits, listed in README.md's YAML header (what `load_dataset(dir, name=)` reads)."""
@@ -461,6 +538,10 @@ def _bad_inputs(tmp_path):
     (d / "short.txt").write_text("tiny")
     (d / "bin.txt").write_bytes(b"text\0\1\2binary")
     (d / "latin1.txt").write_bytes("caf\xe9 ol\xe9".encode("latin-1"))
+    # JSON files too (a later row: the first rows read fine, datasets failed mid-prepare with exit 1)
+    (d / "latin1.jsonl").write_bytes(b"\n".join([json.dumps({"text": t}).encode() for t in DOCS[:3]]
+                                                + ['{"text": "caf\xe9"}'.encode("latin-1")]))
+    (d / "bin.jsonl").write_bytes(b"\x00\x01\x89PNG\x00" * 20)
     (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
     repo, _ = _repo(tmp_path)
     tok = _bpe(tmp_path)
@@ -483,6 +564,8 @@ def _bad_inputs(tmp_path):
          "config error: data.seq_len=4000: < the val split's", None),
         ([f"data.source={d}/bin.txt"], "is binary (NUL byte at 4)", None),
         ([f"data.source={d}/latin1.txt"], "latin1.txt is not UTF-8 (byte 3)", None),
+        ([f"data.source={d}/latin1.jsonl"], "latin1.jsonl is not UTF-8 (byte", None),
+        ([f"data.source={d}/bin.jsonl"], "bin.jsonl is binary (NUL byte at 0)", None),
         (["data.source=no-such-org-zz/no-such-dataset"], "config error: data.source='no-such-org-zz/no-such-dataset'",
          None),
         (["data.source=no-such-org-zz/no-such-dataset", "data.hub_config=en"],
@@ -524,6 +607,43 @@ def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeyp
     # seq_len only cuts windows; the stale case's data was prepared by its setup)
     assert not list(prepared.glob("*.tmp")) and not list(prepared.glob("*.lock"))
     assert len(list(prepared.glob("*/"))) == 1 + (not print_config)
+
+
+def _breaks_mid_stream(tmp_path) -> Path:
+    """Two jsonl files, the second malformed: its error comes from the stream after the first
+    file's documents were read (in a large file, past the json builder's first 10 MB block)."""
+    d = tmp_path / "two"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in DOCS))
+    (d / "b.jsonl").write_text('{"text": "an unterminated string\n')
+    return d
+
+
+def test_a_source_that_breaks_mid_stream_is_one_config_error(tmp_path):
+    # Bug caught: the parse error of a later file escaped as a runtime `error:` (exit 1) and left
+    # the half-written <name>.tmp/ behind.
+    d = _breaks_mid_stream(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^config error: data.source='{d}': readable documents \(ArrowInvalid"):
+        prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)
+    assert not list((tmp_path / "prepared").iterdir())
+
+
+@pytest.mark.slow
+def test_bad_json_sources_print_exactly_one_line(tmp_path):
+    """Through the CLI, so every stderr writer counts (the json builder's own "Failed to load JSON"
+    log line came before the config error line: two lines)."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "rows.jsonl").write_text('{"text": "an unterminated string\n')
+    (d / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}'.encode("latin-1"))
+    for src, needle in ((d / "rows.jsonl", "readable documents"), (_breaks_mid_stream(tmp_path), "readable documents"),
+                        (d / "latin1.jsonl", "is not UTF-8")):
+        r = mode_cli("data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={src}",
+                     "data.num_workers=1", f"data.prepared_dir={tmp_path / 'p'}", "log.progress=false", check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("config error: data.source="), r.stderr
+        assert needle in lines[0], r.stderr
+    assert not list((tmp_path / "p").iterdir())
 
 
 def test_print_config_writes_no_prepared_data(tmp_path, capsys, monkeypatch):

@@ -11,7 +11,7 @@ from mode.config import dump_config, load_config
 from mode.data import ByteTokenizer
 from mode.generate import load_run
 from mode.model import build_model
-from tests.util import HARNESS_SMALL, ROOT, fake_checkpoint, fake_run
+from tests.util import HARNESS_SMALL, ROOT, TINY, deepspeed_train, fake_checkpoint, fake_run, scalars
 
 TOK = ByteTokenizer()
 
@@ -107,3 +107,34 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and needle in err, err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
     assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_deepspeed_run_exports_every_expert(tmp_path):
+    """The cluster MoE preset trains with model.moe.backend=deepspeed and expert parallelism.
+    Bug caught: its layers need torch.distributed, so `mode generate`/`mode eval` of such a run
+    failed at the first forward, and `mode export` wrote rank 0's experts only (2 of 4). The
+    export (native backend, every expert) must reproduce the trainer's own eval/loss, computed
+    under the engine by the DeepSpeed layers with the experts split over 2 ranks."""
+    from mode.data import DataModule
+
+    run = tmp_path / "run"
+    deepspeed_train(2, "configs/tiny/moe.yaml", *TINY, "model.moe.backend=deepspeed", "model.moe.num_experts=4",
+                    "model.moe.capacity_factor=1.0", "model.moe.ep_size=2", "train.micro_batch_size=2",
+                    "train.max_steps=2", "checkpoint.every=2", f"data.prepared_dir={tmp_path / 'prepared'}",
+                    f"run.dir={run}")
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    model, _, cfg = load_run(tmp_path / "out")
+    assert cfg.model.moe.backend == "native" and cfg.model.moe.num_experts == 4
+    # Each rank evaluated its own micro-batches (expert capacity counts a rank's tokens): the same
+    # batches, one forward each, log-softmaxed in float64; the trainer averages over batches and ranks.
+    losses = []
+    with torch.no_grad():
+        for rank in range(2):
+            for x, y in DataModule(cfg.data, rank, 2).val_batches(cfg.train.eval_batches, cfg.train.micro_batch_size):
+                lp = torch.log_softmax(model(x, routing="topk").logits.double(), -1)
+                losses.append(-lp.gather(-1, y[..., None]).mean().item())
+    assert sum(losses) / len(losses) == pytest.approx(scalars(run, "eval/loss")[2], rel=1e-5)
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("def f(x):").tolist()])
+    with torch.no_grad():  # the run directory itself reads the same way
+        assert torch.equal(load_run(run)[0](ids).logits, model(ids).logits)

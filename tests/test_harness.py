@@ -153,6 +153,16 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 
+def test_shipped_task_run_from_another_directory_says_where_its_data_is_read_from(tmp_path, capsys, monkeypatch):
+    """The example YAMLs name their data relative to the repository root (datasets reads them from
+    the current directory): from elsewhere, the one line says so instead of only "file not found"."""
+    _, run = fake_run(tmp_path, "dense")
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path",
+                             str(ROOT / "configs/eval")], f"read from the current directory {tmp_path}: run from")
+    assert not (run / "eval").exists()
+
+
 def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
     import mode.harness
 
@@ -195,6 +205,15 @@ def test_export_eval_generate_end_to_end(tmp_path):
     nats = -sum(rolling_ref(model, d) for d in docs)
     n_bytes = sum(len(d.encode()) for d in docs)
     assert abs(res["results"]["stdlib_ppl"]["bits_per_byte,none"] - nats / n_bytes / math.log(2)) <= 1e-5
+    # multiple choice through the harness: acc = the gold choice has the highest log P(choice | context),
+    # each computed here from the model's logits (the choice follows the context directly)
+    def ll(ctx, cont):
+        s = [TOK.eos_id] + TOK.encode(ctx + cont).tolist()
+        return stream_ref(model, s, len(s) - len(TOK.encode(cont)))[0]
+
+    mc = [json.loads(ln) for ln in (ROOT / "configs/eval/data/stdlib_next_line.jsonl").read_text().splitlines()[:3]]
+    hits = [max(range(len(d["choices"])), key=lambda j: ll(d["context"], d["choices"][j])) == d["gold"] for d in mc]
+    assert res["results"]["stdlib_next_line"]["acc,none"] == pytest.approx(sum(hits) / 3)
     # the run directory itself, with top-k routing, and its default results path
     mode_cli("eval", "--run", run, "--tasks", "stdlib_next_line", "--include-path", "configs/eval", "--limit", "2",
              "--routing", "topk")
