@@ -88,7 +88,12 @@ def _generate(argv) -> int:
         f = Path(a.prompt_file)
         if not f.is_file():
             raise ConfigError("--prompt-file", a.prompt_file, "an existing text file, one prompt per line")
-        prompts += [line for line in f.read_text().splitlines() if line.strip()]  # a blank line is no prompt
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError("--prompt-file", a.prompt_file, f"a UTF-8 text file, one prompt per line (byte "
+                              f"{e.start} is not UTF-8)") from None
+        prompts += [line for line in text.splitlines() if line.strip()]  # a blank line is no prompt
     if not prompts:
         raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
     try:

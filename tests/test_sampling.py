@@ -451,9 +451,13 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
      "--max-new-tokens=100: at most 63 for prompt 0 (2 tokens with the leading EOS)"),
     (["--run", "{run}", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
     (["--run", "{run}"], "at least one --prompt"),
+    (["--run", "{run}", "--prompt-file", "{run}/latin1.txt"],
+     "latin1.txt': a UTF-8 text file, one prompt per line (byte 3 is not UTF-8)"),
 ])
 def test_cli_errors_are_one_line_exit_2(run_dir, capsys, args, needle):
     d, _ = run_dir
+    (d / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))  # bug caught: a UnicodeDecodeError, exit 1
+    needle = needle.replace("{run}", str(d))
     with pytest.raises(SystemExit) as e:
         raise SystemExit(cli_main(["generate", "--max-new-tokens", "4", *[x.replace("{run}", str(d)) for x in args]]))
     assert e.value.code == 2
