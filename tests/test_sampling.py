@@ -314,6 +314,44 @@ def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing(
     assert blk.router.threshold.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+def _two_rank_threshold(rank, port, out):
+    import torch.distributed as dist
+
+    from mode.routing.depth import DepthRouter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    router = DepthRouter(8, ModConfig(causal="threshold", threshold_momentum=0.75))
+    for step in range(2):  # each rank sees its own scores
+        router.update_threshold(torch.tensor(THRESHOLD_SCORES[step][rank]), k=2)
+    out.put((rank, router.threshold.item(), int(router.threshold_updates)))
+    dist.destroy_process_group()
+
+
+THRESHOLD_SCORES = [  # [step][rank] -> [B=2, S=4] router scores
+    [[[4.0, 1.0, 3.0, 0.0], [2.0, 2.5, -1.0, 5.0]], [[-3.0, -1.0, -2.0, 0.5], [0.0, 9.0, 1.0, 1.5]]],
+    [[[1.0, 1.0, 1.0, 1.0], [0.5, 0.25, 0.0, 8.0]], [[7.0, 6.0, 5.0, 4.0], [2.0, -2.0, 3.0, -3.0]]],
+]
+
+
+@pytest.mark.slow
+def test_threshold_is_averaged_over_data_parallel_ranks():
+    # Bug caught: each rank kept its own EMA while the checkpoint holds rank 0's, so a resumed
+    # 2-rank run continued rank 1 from another threshold (config: "averaged over data-parallel ranks").
+    import torch.multiprocessing as mp
+
+    from tests.util import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_two_rank_threshold, args=(free_port(), q), nprocs=2, start_method="spawn")
+    got = sorted(q.get(timeout=60) for _ in range(2))
+    # by hand: the 2nd largest score of each row, averaged over rows and ranks; EMA with momentum 0.75
+    kth = [(3.0 + 2.5 + -1.0 + 1.5) / 4, (1.0 + 0.5 + 6.0 + 2.0) / 4]
+    expected = 0.75 * kth[0] + 0.25 * kth[1]
+    assert [(r, n) for r, _, n in got] == [(0, 2), (1, 2)]
+    assert all(t == pytest.approx(expected, abs=1e-6) for _, t, _ in got), (got, expected)
+
+
 @pytest.mark.slow
 def test_threshold_buffer_survives_an_exact_resume(tmp_path):
     over = [*TINY, "model.mod.causal=threshold", "train.max_steps=6", "train.eval_every=0", "checkpoint.every=3"]
