@@ -59,7 +59,7 @@ def _generate(argv) -> int:
     from mode.generate import cli_generate
 
     p = _OneLineParser(prog="mode generate", description="Sample from a trained run (KV cache, prefill, causal "
-                       "routing: a prompt's output does not depend on the other prompts of the batch).")
+                       "routing: a prompt's logits and greedy output do not depend on the other prompts of the batch).")
     p.add_argument("--run", required=True, help="run directory (config.yaml, checkpoints/) or `mode export` directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch of prompts")
     p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt); "

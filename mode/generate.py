@@ -5,8 +5,9 @@ Shape legend: B prompts (batch rows), P longest prompt, T positions, V vocabular
 Sampling-time semantics (README "Sampling"): every routing decision for a token depends only on it
 and the earlier tokens of its own row. Depth routing decides per token (predictor, router sign or
 calibrated threshold); MoE layers are dropless (model.moe.inference_capacity_factor null). So a
-prompt's output does not depend on the other prompts of its batch, and the logits equal a full
-`model(tokens, routing="causal")` recompute.
+prompt's logits (and greedy output) do not depend on the other prompts of its batch, and equal a
+full `model(tokens, routing="causal")` recompute. At temperature > 0 one generator draws for the
+whole batch: the drawn tokens (not their distribution) depend on the row's place in the batch.
 
 Prefill: the right-padded prompts go through the model in one forward (padding masked); each
 layer's cache receives the tokens that layer processed. Then every row decodes one token per step
