@@ -79,7 +79,8 @@ def _generate(argv) -> int:
               ("--temperature", a.temperature, a.temperature >= 0, ">= 0 (0 = greedy)"),
               ("--top-k", a.top_k, a.top_k >= 0, ">= 0 (0 = all)"),
               ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-              ("--stop", a.stop, all(a.stop), "non-empty strings")]
+              ("--stop", a.stop, all(a.stop), "non-empty strings"),
+              ("--seed", a.seed, -2**63 <= a.seed < 2**64, "an integer in [-2**63, 2**64) (torch.Generator's range)")]
     for key, value, ok, allowed in checks:
         if not ok:
             raise ConfigError(key, value, allowed)

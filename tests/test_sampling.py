@@ -489,6 +489,7 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
      "--max-new-tokens=100: at most 63 for prompt 0 (2 tokens with the leading EOS)"),
     (["--run", "{run}", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
     (["--run", "{run}"], "at least one --prompt"),
+    (["--run", "{run}", "--prompt", "a", "--seed", str(2**64)], "--seed=18446744073709551616: an integer in"),
     (["--run", "{run}", "--prompt-file", "{run}/latin1.txt"],
      "latin1.txt': a UTF-8 text file, one prompt per line (byte 3 is not UTF-8)"),
 ])
