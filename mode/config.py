@@ -564,6 +564,12 @@ def apply_overrides(d: dict, overrides: List[str]) -> dict:
 
 
 def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Union:  # `Union` alone says nothing: spell the alternatives
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names + (["null"] if type(None) in args else []))
+    if typing.get_origin(tp) in (list, List):
+        return f"list of {_type_name(args[0])}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

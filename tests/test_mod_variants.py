@@ -264,6 +264,8 @@ def test_kv_all_costs_more_than_selected_and_decoupled_counts_both_routers():
     ("model.mod.capacity=[0.5,0]", "a fraction in (0, 1]"),
     ("model.mod.attn_capacity=0.5", "null unless model.mod.decoupled is true"),
     ("model.mod.kv=some", "model.mod.kv='some': selected or all"),
+    # bug caught: a wrong type in a capacity list said "a value of type Union"
+    ("model.mod.capacity=[0.5,abc]", "model.mod.capacity=[0.5, 'abc']: a value of type float or list of float"),
 ])
 def test_bad_variant_configs_are_refused(override, needle):
     with pytest.raises(ConfigError) as e:
