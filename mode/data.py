@@ -130,16 +130,16 @@ def room_for_shards(cfg: DataConfig, manifest: dict, raise_limit: bool = False) 
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
-def open_prepared(cfg: DataConfig, progress: bool = False):
+def open_prepared(cfg: DataConfig, progress: bool = False, raise_limit: bool = False):
     """(directory, manifest) of the prepared data for `cfg` (prepared now if missing), checked
-    against the config."""
+    against the config and the open-file limit (raised for the reader: `room_for_shards`)."""
     path = prepare(cfg, progress=progress)
     manifest = read_manifest(path)
     if manifest is None:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                           f"prepared data at {path} (run `mode data prepare --config F` first)")
     check_manifest(cfg, path, manifest, build_tokenizer(cfg))
-    room_for_shards(cfg, manifest)
+    room_for_shards(cfg, manifest, raise_limit)
     return path, manifest
 
 
@@ -173,9 +173,8 @@ class DataModule:
     def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.tokenizer = build_tokenizer(cfg)
-        self.path, self.manifest = open_prepared(cfg)
+        self.path, self.manifest = open_prepared(cfg, raise_limit=True)
         dtype = self.manifest["dtype"]
-        room_for_shards(cfg, self.manifest, raise_limit=True)
         self.train = TokenSplit(self.path, self.manifest["splits"]["train"], dtype)
         self.val = TokenSplit(self.path, self.manifest["splits"]["val"], dtype)
         S = cfg.seq_len
