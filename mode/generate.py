@@ -309,6 +309,10 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
             from mode.portable import deepspeed_moe_to_native
 
             cfg, state = deepspeed_moe_to_native(cfg, state, ckpt)
+        elif cfg.model.moe.backend == "megablocks":  # CUDA-only layers: sample, evaluate, export with native
+            from mode.portable import megablocks_to_native
+
+            cfg, state = megablocks_to_native(cfg, state)
         model = build_model(cfg.model)
         model.load_state_dict(state)
     out = (model.to(device).eval(), build_tokenizer(cfg.data), cfg)

@@ -60,3 +60,29 @@ def deepspeed_moe_to_native(cfg, state: dict, ckpt_dir: Path):
         out[f"{prefix}.{name}"] = torch.stack([by_index[j] for j in range(E)])
     cfg.model.moe.backend, cfg.model.moe.ep_size = "native", 1
     return cfg, out
+
+
+# MegaBlocks layers (mode/moe/megablocks.py): `<P>.router.weight` as native, and the experts of
+# dMoE's grouped MLP as `<P>.experts.mlp.{w1,v1,w2}`, each [E*F, D] (w1/v1 = W^T per expert).
+_MB_EXPERT = re.compile(r"^(.*)\.experts\.mlp\.(w1|v1|w2)$")
+
+
+def megablocks_to_native(cfg, state: dict):
+    """(config, state dict) of a run trained with `model.moe.backend=megablocks` (CUDA only),
+    rewritten for the native backend, so that it samples, evaluates and exports anywhere. The
+    inverse of mode.moe.megablocks.copy_native_to_megablocks; MegaBlocks' bf16 expert weights
+    become float32, as native parameters are (bf16 -> fp32 is exact)."""
+    out, mlps = {}, {}
+    for k, v in state.items():
+        if m := _MB_EXPERT.match(k):
+            mlps.setdefault(m[1], {})[m[2]] = v.float()
+        else:
+            out[k] = v
+    E = cfg.model.moe.num_experts
+    for prefix, w in mlps.items():
+        D = w["w1"].shape[1]
+        w_in_EDH = torch.cat([w[n].view(E, -1, D) for n in ("w1", "v1") if n in w], dim=1).transpose(1, 2)
+        out[f"{prefix}.w_in"] = w_in_EDH.contiguous()
+        out[f"{prefix}.w_out"] = w["w2"].view(E, -1, D).contiguous()
+    cfg.model.moe.backend = "native"
+    return cfg, out

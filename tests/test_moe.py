@@ -378,6 +378,16 @@ def test_megablocks_matches_native(k, cf, noops):
     nat = native(cfg, router_scale=2.0).cuda().bfloat16()  # grouped_gemm is bf16-only: compare in bf16
     mb = MegaBlocksMoE(cfg, 0).cuda().bfloat16()
     copy_native_to_megablocks(nat, mb)
+    # ... and a megablocks run's state dict reads back into the native layout (mode generate/eval/export)
+    from copy import deepcopy
+    from types import SimpleNamespace
+
+    from mode.portable import megablocks_to_native
+
+    _, back = megablocks_to_native(SimpleNamespace(model=deepcopy(cfg)), mb.state_dict())
+    assert sorted(back) == sorted(nat.state_dict())
+    for k, v in nat.state_dict().items():
+        assert torch.equal(back[k], v.float()), k
     x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
     (y1, dx1), (y2, dx2) = _run(nat, x, g), _run(mb, x, g)
@@ -388,3 +398,71 @@ def test_megablocks_matches_native(k, cf, noops):
     torch.testing.assert_close(nat.router.weight.grad.float(), mb.router.weight.grad.float(), **tol)
     for name in nat.metrics:
         torch.testing.assert_close(nat.metrics[name], mb.metrics[name], msg=name)
+
+
+
+def _megablocks_layout(nat: NativeMoE) -> dict:
+    """The state dict a MegaBlocksMoE holding `nat`'s weights has (bf16 [E*F, D] matrices), written by
+    copy_native_to_megablocks, which the GPU test above checks against MegaBlocks' own layers; the
+    module here only has MegaBlocks' parameter names and shapes (MegaBlocks needs CUDA to build)."""
+    from torch import nn
+
+    from mode.moe.megablocks import copy_native_to_megablocks
+
+    E, D, FF = nat.w_out.shape[0], nat.w_out.shape[2], nat.w_out.shape[1]
+    mb = nn.Module()
+    mb.router = nn.Linear(D, nat.router.weight.shape[0], bias=False)
+    mb.experts = nn.Module()
+    mb.experts.mlp = nn.Module()
+    glu = nat.w_in.shape[2] == 2 * FF
+    for name in ("w1", "w2") + (("v1",) if glu else ()):
+        setattr(mb.experts.mlp, name, nn.Parameter(torch.zeros(E * FF, D, dtype=torch.bfloat16)))
+    copy_native_to_megablocks(nat, mb)
+    return mb.state_dict()
+
+
+@pytest.mark.parametrize("mlp,f", [("swiglu", 24), ("gelu", 40)])
+def test_megablocks_run_state_converts_to_native_exactly(mlp, f):
+    from types import SimpleNamespace
+
+    from mode.portable import megablocks_to_native
+
+    cfg = model_cfg(mlp=mlp, d=16, f=f, num_experts=4, top_k=2, backend="megablocks")
+    nat = native(cfg)
+    with torch.no_grad():  # what a bf16 megablocks run can hold
+        for p in (nat.w_in, nat.w_out):
+            p.copy_(p.bfloat16().float())
+    state = {f"blocks.1.ffn.{k}": v for k, v in _megablocks_layout(nat).items()}
+    run_cfg, out = megablocks_to_native(SimpleNamespace(model=cfg), state)
+    assert run_cfg.model.moe.backend == "native"
+    want = {f"blocks.1.ffn.{k}": v for k, v in nat.state_dict().items()}
+    assert sorted(out) == sorted(want)
+    for k, v in want.items():
+        assert out[k].dtype == torch.float32 and torch.equal(out[k], v), k
+
+
+def test_megablocks_run_is_read_by_load_run_with_native_layers(tmp_path):
+    """load_run (mode generate / eval / export) reads a megablocks run on a CPU: same logits as the
+    native model holding the same (bf16-representable) weights."""
+    from mode.config import dump_config
+    from mode.generate import load_run
+    from tests.util import fake_checkpoint, tiny_model
+
+    model, cfg = tiny_model("moe")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, NativeMoE):
+            del state[f"{name}.w_in"], state[f"{name}.w_out"], state[f"{name}.router.weight"]
+            state.update({f"{name}.{k}": v for k, v in _megablocks_layout(m).items()})
+    cfg.model.moe.backend, cfg.deepspeed.precision = "megablocks", "bf16"
+    run = tmp_path / "run"
+    fake_checkpoint(run, 3, state)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    loaded, _, loaded_cfg = load_run(run)
+    assert loaded_cfg.model.moe.backend == "native"
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
