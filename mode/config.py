@@ -140,7 +140,7 @@ class MoEConfig:
     eval_capacity_factor: Optional[float] = None
     """Capacity factor in eval mode under training-time routing (eval/loss); null = same as capacity_factor."""
     inference_capacity_factor: Optional[float] = None
-    """Capacity factor at sampling time (generation and eval/loss_causal); null = dropless, so a token's experts depend only on the token. A value makes a prompt's output depend on the other prompts of its batch (capacity is shared by the tokens of one call)."""
+    """Capacity factor at sampling time (generation and eval/loss_causal); null = dropless, so a token's experts depend only on the token. A value makes a prompt's output depend on the other prompts of its batch (capacity is shared by the tokens of one call) and, where a whole sequence is one call (eval/loss_causal, `mode eval`, prefill), a token's experts on later tokens: that scoring is no longer causal."""
     min_capacity: int = 0
     """Lower bound on the per-expert capacity (DeepSpeed's min_capacity)."""
     drop_policy: str = "position"
