@@ -18,12 +18,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mode.cli compare configs/experiments/quickstart.yaml
 
+# Two pytest workers (pytest-xdist), each taking whole files, so module and session fixtures (runs
+# shared by a file's tests) are built once per worker: on 2 cores the suite takes half the wall time,
+# since a starting process spends most of a tiny run importing torch on one core. TEST_WORKERS=0 runs
+# in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 # Unit tier: no process starts, no training (tests marked `slow` are deselected).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mod.py

@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         # dev includes the eval and wandb extras: the tests drive lm-evaluation-harness and W&B (offline) themselves.
-        "dev": ["pytest>=7", "pytest-timeout", "lm-eval>=0.4.5", "wandb>=0.16"],
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "lm-eval>=0.4.5", "wandb>=0.16"],
         # `mode eval`: EleutherAI's lm-evaluation-harness (keeps the installed torch).
         "eval": ["lm-eval>=0.4.5"],
         # GPU nodes only: MegaBlocks pins its own torch and needs CUDA extensions.
