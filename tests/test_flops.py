@@ -20,6 +20,9 @@ VARIANTS = {
     # MoE counted at capacity: capacity factor 0.25 fills every expert, so the native backend
     # does the capacity's work in either group layout (measured() uses the padded one)
     "moe_at_capacity": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25"],
+    # fine-grained experts: d_expert, not d_ff, sizes each expert
+    "moe_fine_grained": ["model.moe.layers=every", "model.moe.num_experts=16", "model.moe.d_expert=64",
+                         "model.moe.top_k=4", "model.moe.capacity_factor=0.25"],
     "moe_dropless": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=null"],
     "staged": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25",
                "model.mod.layers=every_other", "model.mod.capacity=0.25"],
