@@ -143,6 +143,8 @@ MUTANTS = [
      "c = DepthRouter.cost(d_model, cfg)\n        return Cost(c.params + inner.params, (c.flops + inner.flops) * k / seq_len)", FLOPS),
     ("MoE router FLOPs over real experts only", "mode/moe/base.py",
      "2 * d * n_out + m.top_k", "2 * d * m.num_experts + m.top_k", FLOPS),
+    ("expert FLOPs ignore the capacity factor", "mode/moe/base.py",
+     "frac = 1.0 if m.capacity_factor is None else min(1.0, m.capacity_factor)", "frac = 1.0", FLOPS),
     ("expert FLOPs at d_ff, not d_expert", "mode/moe/base.py",
      "e = MLP.cost(d, m.d_expert or cfg.d_ff, cfg.mlp)", "e = MLP.cost(d, cfg.d_ff, cfg.mlp)", FLOPS),
     ("TFLOP/s per device ignores the world size", "mode/metrics.py",
