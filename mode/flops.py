@@ -9,8 +9,11 @@ torch.utils.flop_counter.FlopCounterMode on the real modules, exactly):
   what SDPA kernels without causal block skipping compute (a depth-routed attention sees
   k = round(capacity * S) queries, and k keys, or all S keys with `kv: all`);
 - expert MLPs are counted at capacity: k * min(1, capacity_factor) routes per token
-  (dropless: k). This is what capacity-padded implementations compute, and the upper bound of
-  what the native backend computes; with no-op experts the real-expert capacity still bounds it;
+  (dropless: k). Up to capacity factor 1 this is what capacity-padded implementations compute
+  and the upper bound of what the native backend computes; above 1 a padded buffer (DeepSpeed,
+  native on accelerators) computes k * capacity_factor rows per token, of which at most k hold a
+  route: the count stays at the k routes (a convention). With no-op experts the real-expert
+  capacity still bounds it;
 - a depth-routed unit counts its router (and predictor) on every token and the unit on the
   processed fraction of tokens.
 """

@@ -87,3 +87,55 @@ def test_causal_routing_never_looks_ahead(preset):
         a, b = model(x, routing="causal").logits, model(y, routing="causal").logits
     assert torch.allclose(a[:, :20], b[:, :20], atol=1e-6)
     assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+@pytest.mark.parametrize("routing", ["topk", "causal"])
+def test_staged_block_equals_bruteforce_composition(routing):
+    """Staged MoDE from independent parts: per row, the top-k tokens of a Python sort of r (causal:
+    the predictor's sign), attention among them at their original positions written out from the
+    weights, then the brute-force MoE loop of tests/test_moe.py over the selected tokens of every
+    row (row by row, position order; capacity from their number, dropless at sampling time), and
+    x + r * (attention + experts) on the selected tokens. Float64 weights, fp32 routers.
+    Bugs caught: experts seeing unselected tokens or capacity from the whole sequence, a wrong
+    token order into the expert router (changes which routes drop), g(r) missing on the MoE part."""
+    from tests.test_mod_variants import ref_attn, ref_select, rms
+    from tests.test_moe import reference
+
+    cfg = cfg_of("mode_staged", "model.mod.capacity=0.375", "model.moe.capacity_factor=0.5")
+    torch.manual_seed(0)
+    model = build_model(cfg.model).double()
+    blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
+    moe = blk.inner.mlp.mlp
+    with torch.no_grad():  # routers spread (at init std 0.02 they barely separate tokens)
+        torch.nn.init.normal_(blk.router.router.weight, std=2.0 / 32 ** 0.5)
+        torch.nn.init.normal_(blk.router.predictor[2].weight, std=3.0 / blk.router.predictor[2].weight.shape[1] ** 0.5)
+        moe.router.weight.normal_(std=1.0)
+    x = torch.randn(3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32).expand(3, 32)
+    with torch.no_grad():
+        delta = blk(x, Ctx(pos, routing=routing))
+        sel_rows, attn_rows = [], []
+        for b in range(3):
+            r_S, sel = ref_select(blk, x[b], routing)
+            sel_rows.append((r_S, sel))
+            attn_rows.append(ref_attn(blk.inner.attn, x[b], sel, sel))
+        h_TD = torch.cat([x[b, sel] + a for b, ((_, sel), a) in enumerate(zip(sel_rows, attn_rows))])
+        mc = cfg.model.moe
+        if routing == "causal":  # sampling time: inference_capacity_factor (null: dropless)
+            from dataclasses import replace
+
+            mc = replace(mc, capacity_factor=mc.inference_capacity_factor)
+        y_TD, _, met, _ = reference(rms(blk.inner.mlp.norm, h_TD), moe.router.weight, moe.w_in, moe.w_out, mc,
+                                    cfg.model.mlp)
+    want = torch.zeros_like(x)
+    t = 0
+    for b, ((r_S, sel), a) in enumerate(zip(sel_rows, attn_rows)):
+        n = len(sel)
+        want[b, sel] = r_S[sel, None].double() * (a + y_TD[t:t + n])
+        t += n
+    assert 0 < t < x.shape[0] * x.shape[1]
+    if routing == "topk":
+        assert float(met["dropped_routes_frac"]) > 0  # the case really drops
+    else:
+        assert len({len(s) for _, s in sel_rows}) > 1  # ragged rows
+    torch.testing.assert_close(delta, want, rtol=1e-6, atol=1e-8)

@@ -116,13 +116,14 @@ def kept_routes(layer) -> set:
     return {(t, j, int(r.idx_TK[t, j])) for t, j in r.keep_TK.nonzero().tolist()}
 
 
+@pytest.mark.parametrize("renorm", [False, True])  # renormalize_after_drop: over surviving + no-op routes
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("policy", ["position", "probability"])
 @pytest.mark.parametrize("noops,balance", [(0, "exclude"), (2, "exclude"), (2, "include")])
 @pytest.mark.parametrize("k", [1, 2])
-def test_native_dropping_equals_bruteforce(policy, noops, balance, k, padded):
+def test_native_dropping_equals_bruteforce(policy, noops, balance, k, padded, renorm):
     cfg = model_cfg(num_experts=4, num_noop_experts=noops, top_k=k, capacity_factor=0.5, drop_policy=policy,
-                    z_loss_weight=1e-3, lb_loss_weight=0.01, noop_balance=balance)
+                    z_loss_weight=1e-3, lb_loss_weight=0.01, noop_balance=balance, renormalize_after_drop=renorm)
     m = native(cfg)
     m.padded_groups = padded  # both group layouts (exact on CPU, padded static on accelerators)
     x = torch.randn(2, 12, 16)

@@ -47,8 +47,10 @@ class MoEBase(nn.Module):
     @staticmethod
     def cost(cfg: ModelConfig) -> Cost:
         """Per token: the router over E + N outputs (no bias) and the experts counted at capacity,
-        top_k * min(1, capacity_factor) routes (dropless: top_k). This is what capacity-padded
-        implementations compute and what bounds the native backend; no-op experts cost nothing."""
+        top_k * min(1, capacity_factor) routes (dropless: top_k). Up to capacity factor 1 this is
+        what capacity-padded implementations compute and what bounds the native backend (above 1
+        padded buffers hold top_k * capacity_factor rows, the count stays at the routes); no-op
+        experts cost nothing."""
         m, d = cfg.moe, cfg.d_model
         n_out = m.num_experts + m.num_noop_experts
         e = MLP.cost(d, m.d_expert or cfg.d_ff, cfg.mlp)
