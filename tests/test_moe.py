@@ -467,3 +467,109 @@ def test_megablocks_run_is_read_by_load_run_with_native_layers(tmp_path):
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def _megablocks_expert_math(x_TD, w1, v1, w2, e, E, act_fn):
+    """Expert e of MegaBlocks' grouped expert stage on rows x, transcribed from MegaBlocks' own
+    GroupedGLU / GroupedMLP.forward (megablocks/layers/glu.py, mlp.py): each weight is viewed as
+    [E, -1, hidden_size]; x1 = x @ w1[e]^T, for GLU act(x1) * (x @ v1[e]^T) else act(x1); then @ w2[e]."""
+    D = x_TD.shape[1]
+    h = x_TD @ w1.view(E, -1, D)[e].t()
+    h = act_fn(h) * (x_TD @ v1.view(E, -1, D)[e].t()) if v1 is not None else act_fn(h)
+    return h @ w2.view(E, -1, D)[e]
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_megablocks_layout_written_by_hand_converts_to_native(mlp):
+    """megablocks_to_native against MegaBlocks' own expert math, not against
+    copy_native_to_megablocks (the tests above build the MegaBlocks state with it, so a mistake
+    shared by both directions would pass them on a CPU): MegaBlocks-layout bf16 tensors drawn at
+    random, non-square everywhere (D=16, expert hidden F=24 from moe.d_expert != d_ff=40), 11 real
+    experts (two-digit indices) and 2 no-op experts, converted, loaded strictly into a NativeMoE,
+    whose dropless top-2 forward (float64) must equal the routed sum of MegaBlocks' expert outputs."""
+    from types import SimpleNamespace
+
+    from mode.portable import megablocks_to_native
+
+    E, N, D, F_ = 11, 2, 16, 24
+    cfg = model_cfg(mlp=mlp, d=D, f=40, num_experts=E, num_noop_experts=N, d_expert=F_, top_k=2,
+                    capacity_factor=None, backend="megablocks")
+    g = torch.Generator().manual_seed(0)
+    mb = {n: (torch.randn(E * F_, D, generator=g) * 0.3).bfloat16()
+          for n in ("w1", "w2") + (("v1",) if mlp == "swiglu" else ())}
+    router = torch.randn(E + N, D, generator=g) * 3
+    P = "blocks.2.ffn"  # any prefix: keys keep it
+    state = {f"{P}.router.weight": router, **{f"{P}.experts.mlp.{n}": w for n, w in mb.items()}}
+    run_cfg, out = megablocks_to_native(SimpleNamespace(model=cfg), state)
+    assert run_cfg.model.moe.backend == "native"
+    nat = NativeMoE(cfg, 0)
+    nat.load_state_dict({k.removeprefix(P + "."): v for k, v in out.items()})  # strict: names and shapes
+    assert torch.equal(nat.router.weight, router)
+    nat.double()
+    x = torch.randn(40, D, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        y = nat(x[None])[0]
+    r = nat.last_routing
+    assert r.keep_TK.any() and (~r.keep_TK).any()  # some no-op routes (not run), many expert routes
+    assert len(r.idx_TK[r.keep_TK].unique()) >= E - 1
+    act_fn = F.silu if mlp == "swiglu" else F.gelu
+    w = {n: t.double() for n, t in mb.items()}
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            if r.keep_TK[t, j]:
+                e = int(r.idx_TK[t, j])
+                want[t] += float(r.w_TK[t, j]) * _megablocks_expert_math(x[t:t + 1], w["w1"], w.get("v1"), w["w2"],
+                                                                         e, E, act_fn)[0]
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mlp,precision", [("swiglu", "bf16"), ("gelu", "fp32")])
+def test_deepspeed_checkpoint_files_load_into_native(ds_world, tmp_path, monkeypatch, mlp, precision):
+    """A checkpoint written by DeepSpeed's own engine.save_checkpoint (through mode.checkpoint.save:
+    model.pt plus DeepSpeed's per-expert files) reads back through load_run with native layers that
+    compute what the DeepSpeed layers compute. Shapes where a layout mistake cannot hide: 12 experts
+    (file names sort expert_10, expert_11 before expert_2), MoE only in layers 0, 2, 3 of 4 (DeepSpeed
+    numbers its files layer_0..2 by MoE layer, not by block), d_model 24, d_ff 40, moe.d_expert 20, two
+    no-op experts; bf16 checkpoints compare with the DeepSpeed model cast to float32 (bf16 -> fp32 is
+    exact). In-process world of one; nothing is trained."""
+    from mode import checkpoint as ck
+    from mode.config import dump_config
+    from mode.engine import build_engine
+    from mode.generate import load_run
+    from mode.model import build_model
+    from mode.portable import deepspeed_moe_to_native
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it
+    cfg = load_config("configs/tiny/moe.yaml", [
+        "model.d_model=24", "model.n_layers=4", "model.n_heads=2", "model.d_ff=40", "model.max_seq_len=16",
+        "data.seq_len=16", f"model.mlp={mlp}", "model.moe.backend=deepspeed", "model.moe.num_experts=12",
+        "model.moe.layers=[0,2,3]", "model.moe.d_expert=20", "model.moe.num_noop_experts=2",
+        "model.moe.capacity_factor=null", f"deepspeed.precision={precision}", "train.micro_batch_size=2"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    with torch.no_grad():  # sharper routing: every expert gets tokens
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.mul_(20)
+    engine, _, _ = build_engine(cfg, model, 1)
+    run = tmp_path / "run"
+    d = ck.save(engine, ck.checkpoints_dir(run), 3, {}, 0, 2)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    assert len(list(d.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))) == 3 * 12
+    ds_model = engine.module.float().eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ds_model(ids).logits
+        used = [m.last_routing.idx_TK[m.last_routing.keep_TK].unique().numel()
+                for m in ds_model.modules() if getattr(m, "last_routing", None) is not None]
+        assert len(used) == 3 and min(used) >= 10  # two-digit experts are used in every MoE layer
+        nat, _, nat_cfg = load_run(run)
+        assert nat_cfg.model.moe.backend == "native" and nat_cfg.model.moe.ep_size == 1
+        torch.testing.assert_close(nat(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+    # An expert file missing (a partial copy of the checkpoint) is refused, naming what is there.
+    (d / "layer_1_expert_10_mp_rank_00_model_states.pt").unlink()
+    state = torch.load(d / ck.MODEL, weights_only=True)
+    with pytest.raises(FileNotFoundError, match=r"holds experts \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11\] of blocks\.2"):
+        deepspeed_moe_to_native(load_config(run / "config.yaml"), state, d)
