@@ -554,8 +554,10 @@ def write_plan(exp: Experiment, runs: list[GridRun]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mode compare", description="Run an experiment grid, then write its report.",
-                                epilog="Invoking it again skips finished runs and resumes interrupted ones.")
+    from mode.errors import OneLineParser  # bad options: one line, exit 2
+
+    p = OneLineParser(prog="mode compare", description="Run an experiment grid, then write its report.",
+                      epilog="Invoking it again skips finished runs and resumes interrupted ones.")
     p.add_argument("experiment", metavar="EXPERIMENT.yaml")
     p.add_argument("--dry-run", action="store_true", help="validate every run and print the plan; start nothing")
     p.add_argument("--only", nargs="+", metavar="VARIANT", default=None, help="run only these variants")

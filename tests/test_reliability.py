@@ -459,6 +459,28 @@ def test_analyze_refuses_a_missing_directory_or_bad_option_in_one_line(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,start", [
+    (["train", "--config", "x.yaml", "--bogus"], "mode train: error: unrecognized arguments: --bogus"),
+    (["train", "train.max_steps=2"], "mode train: error: the following arguments are required: --config"),
+    (["compare", "x.yaml", "--bogus"], "mode compare: error: unrecognized arguments: --bogus"),
+    (["compare", "x.yaml", "--poll", "soon"], "mode compare: error: argument --poll"),
+])
+def test_train_and_compare_refuse_a_bad_option_in_one_line(tmp_path, monkeypatch, capsys, args, start):
+    """Bug caught: `mode train` and `mode compare` printed argparse's usage block before the error,
+    unlike the other commands and the README ("Errors are one line")."""
+    from mode.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's exit, as `mode` exits from the command line
+        code = e.code
+    assert code == 2, args
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith(start), (args, lines)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_top_level_help_and_unknown_command(capsys):
     """`mode --help` lists the commands on stdout (exit 0); a mistyped command is named in one line (exit 2)."""
     from mode.cli import COMMANDS, main
