@@ -119,15 +119,18 @@ def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: in
     return sum(n for _, n in plan_nodes(hostfile, num_nodes, num_gpus))
 
 
-def validate(config: str, overrides: list[str], world: int, node_rank: int | None = None):
+def validate(config: str, overrides: list[str], world: int, node_rank: int | None = None,
+             prepare_data: bool = True):
     """Resolve the config for `world` ranks and run the trainer's preflight and world-size check
     (here, once, instead of in every rank); raises ConfigError. Only node 0 checks the run
-    directory's lock: another node's launcher may start after rank 0 took it."""
+    directory's lock: another node's launcher may start after rank 0 took it. `prepare_data=False`
+    (--dry-run): the same data checks, nothing prepared (--validate-only prepares: slurm.sbatch
+    prepares the data in its one process before the ranks start)."""
     from mode.config import load_config
     from mode.train import check_world, finished, preflight
 
     cfg = load_config(config, overrides, world_size=world)
-    preflight(cfg, lock=not node_rank)
+    preflight(cfg, lock=not node_rank, prepare_data=prepare_data)
     if finished(cfg) is None:  # a finished run is a no-op at any world size (the ranks say so)
         check_world(cfg, world)
     return cfg
@@ -342,7 +345,7 @@ def main(argv=None) -> int:
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
-        cfg = validate(a.config, a.overrides, world, a.node_rank)  # may prepare the data: after the cheap checks
+        cfg = validate(a.config, a.overrides, world, a.node_rank, prepare_data=not a.dry_run)  # after the cheap checks
         if multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only:
             check_ssh(a.hostfile, [h for h, _ in nodes], a.ssh_port)
     except ConfigError as e:

@@ -335,8 +335,9 @@ def slurm_ranks_per_node(exp: Experiment) -> int:
 # Validation and status.
 
 
-def validate(exp: Experiment, runs: list[GridRun]) -> None:
-    """Resolve and preflight every run before any starts; a failure names the variant and seed."""
+def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) -> None:
+    """Resolve and preflight every run before any starts; a failure names the variant and seed.
+    `prepare_data=False` (--dry-run): the same data checks, nothing prepared or written."""
     from mode.config import load_config
     from mode.train import preflight
 
@@ -344,7 +345,7 @@ def validate(exp: Experiment, runs: list[GridRun]) -> None:
     for r in runs:
         try:
             r.cfg = load_config(r.config, r.overrides, world_size=world)
-            preflight(r.cfg)
+            preflight(r.cfg, prepare_data=prepare_data)
         except ConfigError as e:
             text = str(e).removeprefix("config error: ")
             raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
@@ -594,7 +595,7 @@ def main(argv=None) -> int:
             from mode.rundir import check_lock
 
             check_lock(exp.runs_dir, key="runs_dir")  # name the other compare, not its trainer
-        validate(exp, runs)
+        validate(exp, runs, prepare_data=not a.dry_run)  # a dry run on a login node streams no corpus
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2

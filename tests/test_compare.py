@@ -366,3 +366,23 @@ def test_ctrl_c_while_waiting_for_slurm_jobs_says_they_keep_running(tmp_path):
     assert err.read_text().strip().splitlines()[-1] == (
         f"stopped waiting; the jobs keep running (`mode compare {exp} --wait` waits again)")
     assert not (tmp_path / "cancelled").exists()
+
+
+def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch, capsys):
+    """`mode compare --dry-run` and `launch.run --dry-run` check the data without preparing it: on a
+    cluster preset a prepare streams the hub corpus (hours, on a login node). `--validate-only`
+    (slurm.sbatch, one process before the ranks) does prepare."""
+    import launch.run as lr
+    from mode import compare
+
+    monkeypatch.chdir(tmp_path)  # DeepSpeed/launcher side files land here, not in the repo
+    prepared = tmp_path / "prepared"
+    exp = experiment(tmp_path, overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={prepared}"])
+    assert compare.main([str(exp), "--dry-run"]) == 0
+    cmd = [f"--config={ROOT / 'configs/tiny/dense.yaml'}", *TINY, f"data.prepared_dir={prepared}",
+           f"run.dir={tmp_path / 'run'}"]
+    assert lr.main(["--num_gpus", "2", "--dry-run", *cmd]) == 0
+    assert not prepared.exists() and not (tmp_path / "runs").exists() and not (tmp_path / "run").exists()
+    assert lr.main(["--num_gpus", "2", "--validate-only", *cmd]) == 0
+    assert any(prepared.rglob("manifest.json")), sorted(prepared.rglob("*"))
+    capsys.readouterr()
