@@ -248,7 +248,9 @@ def check_ssh(hostfile: str, hosts: list[str], ssh_port: int | None, timeout: fl
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__.split("\n\n")[0],
+    from mode.errors import OneLineParser  # bad options: one line, exit 2, as `mode`'s commands
+
+    p = OneLineParser(prog="python -m launch.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="The remaining arguments are `mode train`'s: "
                                        "--config FILE [dotted.key=value ...]")

@@ -464,15 +464,18 @@ def test_analyze_refuses_a_missing_directory_or_bad_option_in_one_line(tmp_path,
     (["train", "train.max_steps=2"], "mode train: error: the following arguments are required: --config"),
     (["compare", "x.yaml", "--bogus"], "mode compare: error: unrecognized arguments: --bogus"),
     (["compare", "x.yaml", "--poll", "soon"], "mode compare: error: argument --poll"),
+    (["launch", "--config", "x.yaml", "--bogus"], "python -m launch.run: error: unrecognized arguments: --bogus"),
+    (["launch", "--num_gpus", "two", "--config", "x.yaml"], "python -m launch.run: error: argument --num_gpus"),
 ])
 def test_train_and_compare_refuse_a_bad_option_in_one_line(tmp_path, monkeypatch, capsys, args, start):
-    """Bug caught: `mode train` and `mode compare` printed argparse's usage block before the error,
-    unlike the other commands and the README ("Errors are one line")."""
+    """Bug caught: `mode train`, `mode compare` and `python -m launch.run` printed argparse's usage
+    block before the error, unlike the other commands and the README ("Errors are one line")."""
+    import launch.run
     from mode.cli import main
 
     monkeypatch.chdir(tmp_path)
     try:
-        code = main(args)
+        code = launch.run.main(args[1:]) if args[0] == "launch" else main(args)
     except SystemExit as e:  # argparse's exit, as `mode` exits from the command line
         code = e.code
     assert code == 2, args
