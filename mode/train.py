@@ -439,7 +439,7 @@ def _main(argv) -> int:
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides may come before or after the options, as in `mode compare`
     import os
 
     from mode.lifeline import die_with_launcher

@@ -71,8 +71,9 @@ def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_print_config_resolves():
-    r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17", "--print-config")
-    assert "max_steps: 17" in r.stdout and "d_model: 128" in r.stdout
+    r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17", "--print-config",
+                 "train.log_every=3")  # overrides on both sides of an option
+    assert "max_steps: 17" in r.stdout and "log_every: 3" in r.stdout and "d_model: 128" in r.stdout
 
 
 def test_every_field_documented():
