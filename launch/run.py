@@ -251,9 +251,8 @@ def parser() -> argparse.ArgumentParser:
     from mode.errors import OneLineParser  # bad options: one line, exit 2, as `mode`'s commands
 
     p = OneLineParser(prog="python -m launch.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="The remaining arguments are `mode train`'s: "
-                                       "--config FILE [dotted.key=value ...]")
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="The remaining arguments are `mode train`'s: --config FILE [dotted.key=value ...]")
     p.add_argument("--launcher", choices=("deepspeed", "torchrun", *DS_BACKENDS), default="deepspeed",
                    help="deepspeed (its runner; pdsh over ssh for several nodes), torchrun, or a DeepSpeed "
                         "multi-node backend")

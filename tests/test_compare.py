@@ -368,7 +368,7 @@ def test_ctrl_c_while_waiting_for_slurm_jobs_says_they_keep_running(tmp_path):
     assert not (tmp_path / "cancelled").exists()
 
 
-def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch, capsys):
+def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch):
     """`mode compare --dry-run` and `launch.run --dry-run` check the data without preparing it: on a
     cluster preset a prepare streams the hub corpus (hours, on a login node). `--validate-only`
     (slurm.sbatch, one process before the ranks) does prepare."""
@@ -385,4 +385,3 @@ def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch, c
     assert not prepared.exists() and not (tmp_path / "runs").exists() and not (tmp_path / "run").exists()
     assert lr.main(["--num_gpus", "2", "--validate-only", *cmd]) == 0
     assert any(prepared.rglob("manifest.json")), sorted(prepared.rglob("*"))
-    capsys.readouterr()

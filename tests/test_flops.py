@@ -36,12 +36,12 @@ VARIANTS = {
 }
 
 
-def measured(cfg, batch=2, padded=True):
+def measured(cfg, batch=2):
     torch.manual_seed(0)
     model = build_model(cfg.model)
     for m in model.modules():  # capacity-padded expert groups: the work the analytic count assumes
         if hasattr(m, "padded_groups"):
-            m.padded_groups = padded
+            m.padded_groups = True
     x = torch.randint(0, 256, (batch, cfg.data.seq_len))
     with flop_counter() as fc, torch.no_grad():
         model(x)

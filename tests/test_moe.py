@@ -401,7 +401,6 @@ def test_megablocks_matches_native(k, cf, noops):
         torch.testing.assert_close(nat.metrics[name], mb.metrics[name], msg=name)
 
 
-
 def _megablocks_layout(nat: NativeMoE) -> dict:
     """The state dict a MegaBlocksMoE holding `nat`'s weights has (bf16 [E*F, D] matrices), written by
     copy_native_to_megablocks, which the GPU test above checks against MegaBlocks' own layers; the
