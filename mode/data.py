@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,7 @@ class TokenSplit:
     """One split's shards as a single token stream, read through np.memmap."""
 
     def __init__(self, root: Path, meta: dict, dtype: str):
+        self.root, self.shards = root, meta["shards"]
         self.memmaps = [np.memmap(root / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
         for m in self.memmaps:
             m._mmap.madvise(mmap.MADV_RANDOM)  # windows are read in random order: no readahead
@@ -94,6 +96,16 @@ class TokenSplit:
             if touched is not None:
                 touched.add(s)
         return part
+
+    def documents(self, limit: int):
+        """(start, end, UTF-8 bytes) of every document of the shards that begin before token `limit`;
+        None for data prepared before per-document bytes were kept."""
+        shards = [s for s, begin in zip(self.shards, self.starts) if begin < limit]
+        if any("doc_bytes" not in s for s in shards):
+            return None
+        ends = np.concatenate([int(b) + np.load(self.root / s["docs"]) for s, b in zip(shards, self.starts)])
+        starts = np.concatenate([[0], ends[:-1]])  # shards are contiguous and end at document ends
+        return starts, ends, np.concatenate([np.load(self.root / s["doc_bytes"]) for s in shards])
 
     def windows(self, rows, seq_len: int) -> torch.Tensor:
         """[B, S + 1] int64 windows `rows` (window w starts at token w * seq_len)."""
@@ -181,7 +193,8 @@ class DataModule:
         self.n_train, self.n_val = self.train.n_windows(S), self.val.n_windows(S)
         if min(self.n_train, self.n_val) < 1:
             raise ConfigError("data.seq_len", S, "a length the prepared corpus holds at least once per split")
-        self.token_bytes_V = torch.from_numpy(self.tokenizer.token_bytes())
+        self.token_bytes_V = self.tokenizer.token_bytes()
+        self._val_bytes = {}
 
     def train_rows(self, step: int, micro: int, micro_batch: int, accum: int) -> torch.Tensor:
         """Indices of the training windows this rank reads at (step, micro)."""
@@ -200,9 +213,40 @@ class DataModule:
         seq = self.train.windows(self.train_rows(step, micro, micro_batch, accum).tolist(), self.cfg.seq_len)
         return seq[:, :-1], seq[:, 1:]
 
+    def val_rows(self, n_batches: int, micro_batch: int) -> list[list[int]]:
+        """The validation windows of this rank's evaluation batches: the first windows of the split."""
+        return [[((b * self.world + self.rank) * micro_batch + j) % self.n_val for j in range(micro_batch)]
+                for b in range(n_batches)]
+
     def val_batches(self, n_batches: int, micro_batch: int):
-        """The same evaluation batches every time: the first windows of the validation split."""
-        for b in range(n_batches):
-            start = (b * self.world + self.rank) * micro_batch
-            seq = self.val.windows([(start + j) % self.n_val for j in range(micro_batch)], self.cfg.seq_len)
+        """The same evaluation batches every time: (inputs, targets), each [B, S] int64."""
+        for rows in self.val_rows(n_batches, micro_batch):
+            seq = self.val.windows(rows, self.cfg.seq_len)
             yield seq[:, :-1], seq[:, 1:]
+
+    def val_bytes(self, n_batches: int, micro_batch: int) -> int:
+        """UTF-8 bytes of the text that this rank's evaluation targets stand for (eval/bpb's denominator).
+        A target token counts its bytes in the tokenizer's table (`token_bytes`); a document's first token
+        also counts the document's correction, its text's UTF-8 bytes minus its tokens' table bytes. Whole
+        documents are then exact for any tokenizer: SentencePiece-style tokenizers prepend a space that the
+        text does not have (+1 byte a document by the table alone), normalisers change the text."""
+        key = (n_batches, micro_batch)
+        if key not in self._val_bytes:
+            S, table = self.cfg.seq_len, self.token_bytes_V
+            rows = [w for r in self.val_rows(n_batches, micro_batch) for w in r]  # a repeated window counts again
+            total = sum(int(table[self.val.read(w * S + 1, S)].sum()) for w in rows)
+            docs = self.val.documents(limit=(max(rows) + 1) * S + 1)
+            if docs is None:
+                if self.rank == 0:
+                    print(f"note: {self.path} was prepared before per-document bytes were kept: eval/bpb counts "
+                          "the tokenizer's table only (a tokenizer that prepends a space to each document adds "
+                          "1 byte a document); `mode data prepare --force` rebuilds it", file=sys.stderr)
+            else:
+                starts, ends, nbytes = docs
+                for w in rows:  # documents whose first token is one of the window's targets
+                    lo, hi = np.searchsorted(starts, [w * S + 1, w * S + S + 1])
+                    for d in range(lo, hi):
+                        tokens = self.val.read(int(starts[d]), int(ends[d] - starts[d]))
+                        total += int(nbytes[d]) - int(table[tokens].sum())
+            self._val_bytes[key] = total
+        return self._val_bytes[key]

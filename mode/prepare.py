@@ -7,6 +7,7 @@ Layout of one prepared directory (`<data.prepared_dir>/<name>-<hash of the data 
     train_00000.bin ...         tokens (uint16 when the vocabulary fits, else uint32), each document
                                 followed by EOS; a shard ends at a document boundary
     train_00000.docs.npy ...    int64 end offset of every document inside its shard
+    train_00000.bytes.npy ...   int64 UTF-8 bytes of every document's text (exact eval/bpb)
     val_00000.bin ...           the same for the validation split
 
 A prepare writes into `<name>.tmp/` and renames it into place, under a lock file, so a killed prepare
@@ -431,7 +432,7 @@ class ShardWriter:
         if state:  # resuming: the shards listed in the progress file are complete
             self.shards, self.tokens, self.documents, self.bytes = (state[k] for k in ("shards", "tokens",
                                                                                        "documents", "bytes"))
-        self._f, self._ends = None, []
+        self._f, self._ends, self._bytes = None, [], []
 
     def add(self, flat, lens, nbytes) -> None:
         if not len(lens):
@@ -441,6 +442,7 @@ class ShardWriter:
             self._name, self._f, self._n = name, open(self.root / f"{name}.bin", "wb"), 0
         self._f.write(flat.astype(self.dtype).tobytes())
         self._ends.append(self._n + np.cumsum(lens))
+        self._bytes.append(np.asarray(nbytes, dtype=np.int64))
         self._n += int(lens.sum())
         self.tokens += int(lens.sum())
         self.documents += len(lens)
@@ -456,9 +458,10 @@ class ShardWriter:
         self._f.close()
         ends = np.concatenate(self._ends)
         np.save(self.root / f"{self._name}.docs.npy", ends)
-        self.shards.append({"file": f"{self._name}.bin", "docs": f"{self._name}.docs.npy", "tokens": self._n,
-                            "documents": len(ends)})
-        self._f, self._ends = None, []
+        np.save(self.root / f"{self._name}.bytes.npy", np.concatenate(self._bytes))
+        self.shards.append({"file": f"{self._name}.bin", "docs": f"{self._name}.docs.npy",
+                            "doc_bytes": f"{self._name}.bytes.npy", "tokens": self._n, "documents": len(ends)})
+        self._f, self._ends, self._bytes = None, [], []
 
     def summary(self) -> dict:
         return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "shards": self.shards}
@@ -827,7 +830,8 @@ def _resume_state(tmp: Path, key: dict) -> dict | None:
         st = None  # another config or changed source files: start over
     keep = {MARKER, PROGRESS} | ({"val_hashes.npy"} if st and st["phase"] == "train" else set())
     if st:
-        keep |= {x[k] for sp in ("train", "val") for x in st[sp]["shards"] for k in ("file", "docs")}
+        keep |= {x[k] for sp in ("train", "val") for x in st[sp]["shards"] for k in ("file", "docs", "doc_bytes")
+                 if k in x}
     for p in tmp.iterdir():
         if p.name not in keep:
             p.unlink()

@@ -286,15 +286,16 @@ class Trainer:
         model.eval()
         acc = Accumulator()
         routings = ("topk", "causal") if routes_at_sampling(model.plan) else ("topk",)
-        token_bytes_V = self.data.token_bytes_V.to(self.dev)
-        nats_bytes = torch.zeros(2, dtype=torch.float64, device=self.dev)  # summed over batches and ranks
-        for x, y in self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch_size):
+        n, mb = self.cfg.train.eval_batches, self.cfg.train.micro_batch_size
+        # (nats, UTF-8 bytes) of the evaluated targets, summed over batches and ranks
+        nats_bytes = torch.tensor([0.0, self.data.val_bytes(n, mb)], dtype=torch.float64, device=self.dev)
+        for x, y in self.data.val_batches(n, mb):
             x, y = x.to(self.dev), y.to(self.dev)
             for r in routings:
                 out = model(x, y, routing=r)
                 acc.add({"eval/loss" if r == "topk" else "eval/loss_causal": out.loss})
                 if r == "topk":  # out.loss is the mean over every target token
-                    nats_bytes += torch.stack([out.loss.double() * y.numel(), token_bytes_V[y].sum().double()])
+                    nats_bytes[0] += out.loss.double() * y.numel()
         model.train()
         vals = acc.read()
         import torch.distributed as dist

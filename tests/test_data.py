@@ -225,6 +225,64 @@ def test_tokenizer_dir_file_and_eos(corpus, tmp_path):
     assert sorted(documents(path, "train", tok) + documents(path, "val", tok)) == sorted(DOCS)
 
 
+VAL_DOCS = ["hello world, this is the first held out document", " a document that starts with a space",
+            "héllo wörld again, with accents", "the last document of the validation source"]
+
+
+def _metaspace(tmp_path):
+    """A SentencePiece-style tokenizer: Metaspace prepends `▁` to every document (a space its text lacks)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    tok.train_from_iterator(DOCS + VAL_DOCS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    d = tmp_path / "sp"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    return d, tok
+
+
+def test_val_bytes_are_the_evaluated_texts_utf8_bytes_with_a_prepending_tokenizer(tmp_path, monkeypatch, capsys):
+    """eval/bpb's denominator: each evaluation window's UTF-8 bytes equal those of the text its targets
+    cover, by the tokenizer's own offsets (float-free, per window). The token table alone counts the
+    prepended `▁` of each document as a byte: that over-count must not reach eval/bpb."""
+    tok_dir, hf = _metaspace(tmp_path)
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in VAL_DOCS))
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in DOCS))
+    S = 5
+    cfg = dcfg(tmp_path, source=str(tmp_path / "train.jsonl"), val_source=str(tmp_path / "val.jsonl"),
+               tokenizer=str(tok_dir), seq_len=S, shard_tokens=16)
+    batches = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: batches(docs, max_docs=1))  # several val shards
+    path = prep.prepare(cfg, progress=False)
+    dm = DataModule(cfg)
+    # independent reference: a token covers the text from the previous token's end to its own end
+    # (offsets are characters; a prepended `▁` covers none), EOS covers what no token did
+    stream, ref = [], []
+    for text in VAL_DOCS:
+        enc = hf.encode(text, add_special_tokens=False)
+        byte_at = np.cumsum([0] + [len(c.encode()) for c in text])
+        ends = np.maximum.accumulate([e for _, e in enc.offsets])
+        covered = byte_at[np.r_[0, ends]]
+        stream += enc.ids + [dm.tokenizer.eos_id]
+        ref += np.diff(covered).tolist() + [len(text.encode()) - covered[-1]]
+    assert np.array_equal(dm.val.read(0, dm.val.n_tokens), stream)
+    assert len(dm.val.shards) > 1 and sum(ref) == sum(len(t.encode()) for t in VAL_DOCS)
+    ref = np.array(ref)
+    window = [int(ref[w * S + 1:w * S + S + 1].sum()) for w in range(dm.n_val)]
+    assert [dm.val_bytes(k, 1) for k in range(1, dm.n_val + 1)] == np.cumsum(window).tolist()
+    assert dm.val_bytes(2, dm.n_val) == 2 * sum(window)  # windows evaluated twice count twice
+    table = sum(int(dm.token_bytes_V[dm.val.read(w * S + 1, S)].sum()) for w in range(dm.n_val))
+    assert table > sum(window)  # the table alone over-counts: the check above would catch that
+    # data prepared before per-document bytes were kept: the table, and a note that says so
+    m = prep.read_manifest(path)
+    for shard in m["splits"]["val"]["shards"]:
+        del shard["doc_bytes"]
+    (path / prep.MANIFEST).write_text(json.dumps(m))
+    assert DataModule(cfg).val_bytes(1, dm.n_val) == table and "mode data prepare --force" in capsys.readouterr().err
+
+
 def test_tokenizer_without_eos_must_be_given_one(tmp_path):
     d = _bpe(tmp_path, special=("[UNK]",))
     with pytest.raises(ConfigError, match=r"data.eos_token='': the end-of-document token"):
