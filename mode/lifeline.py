@@ -6,10 +6,12 @@
   watchdog thread checks the launcher ancestors above it once a second.
 - The DeepSpeed CPU communication op is built by torch's extension loader, which waits forever on a
   `lock` file left by a build that was killed. The build cache is kept per virtualenv (two checkouts
-  never rebuild or lock each other's op), and a stale lock is reported before anything starts.
+  never rebuild or lock each other's op); a lock no live process holds is reported before anything
+  starts, and one whose holder dies while this process waits on it stops the start in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -92,39 +94,118 @@ def use_venv_build_cache() -> None:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
-def _building_in(d: Path) -> bool:
-    """Does a live process (ninja, the compiler) work inside d?"""
+def _in_use(lock: Path) -> bool:
+    """Does a live process hold `lock` open (torch's FileBaton keeps the file open from its creation
+    until the build ends) or work inside its directory (ninja, the compiler)?"""
+    d = lock.parent
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cwd = Path(os.readlink(proc / "cwd"))
-            except OSError:
-                continue
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(proc / "cwd"))
             if cwd == d or d in cwd.parents:
                 return True
+            if any(os.readlink(fd) == str(lock) for fd in (proc / "fd").iterdir()):
+                return True
+        except OSError:
+            continue  # gone, or another user's process (which cannot hold this user's cache)
     return False
 
 
-def stale_build_locks(min_age_s: float = 30.0) -> list[Path]:
-    """`lock` files of extension builds nobody is running (a killed build leaves one behind and every
-    later load waits on it forever)."""
+def extensions_root() -> Path:
+    """Where torch builds extensions (its own rule: cpp_extension._get_build_directory)."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own rule (cpp_extension._get_build_directory)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         acc = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
         root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{acc}")
-    root = Path(root)
+    return Path(root).resolve()
+
+
+# Filesystems other hosts write: a lock there may be held by a process this host cannot see.
+NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "panfs", "wekafs",
+              "fuse.sshfs", "fuse.glusterfs", "fuse.beegfs", "9p")
+
+
+def fs_type(path: Path, mounts: str | None = None) -> str:
+    """The type of the filesystem holding `path`: the longest mount point above it in /proc/mounts."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return ""
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
+def _quiet_for(d: Path) -> float:
+    """Seconds since anything in `d` (the lock, ninja's log, objects) last changed."""
+    times = [p.stat().st_mtime for p in d.iterdir()] or [0.0]
+    return time.time() - max(times)
+
+
+def stale_build_locks(confirm_s: float = 0.5, remote_quiet_s: float = 300.0) -> list[Path]:
+    """`lock` files of extension builds that nobody holds (a killed build or load leaves one behind,
+    and every later load waits on it forever). On a local filesystem only this host's processes can
+    hold one: stale when none does, seen twice `confirm_s` apart (a lock is briefly unheld between
+    its creation and the open, and between the close and its removal). On a network filesystem a
+    builder on another node is invisible here: stale only when, besides, nothing in the build
+    directory changed for `remote_quiet_s` (a build writes objects and ninja's log as it goes)."""
+    root = extensions_root()
     if not root.is_dir():
         return []
-    now = time.time()
-    stale = []
-    for lock in root.glob("*/lock"):
-        try:
-            age = now - lock.stat().st_mtime
-        except OSError:
-            continue
-        if age > min_age_s and not _building_in(lock.parent.resolve()):
-            stale.append(lock)
-    return stale
+    remote = fs_type(root) in NETWORK_FS
+
+    def unheld():
+        out = {}
+        for lock in root.glob("*/lock"):
+            try:
+                ino = lock.stat().st_ino
+                if not _in_use(lock) and (not remote or _quiet_for(lock.parent) > remote_quiet_s):
+                    out[lock] = ino
+            except OSError:
+                continue  # removed meanwhile
+        return out
+
+    first = unheld()
+    if not first:
+        return []
+    time.sleep(confirm_s)
+    second = unheld()
+    return sorted(lock for lock, ino in first.items() if second.get(lock) == ino)
+
+
+def stale_lock_message(lock: Path) -> str:
+    return (f"TORCH_EXTENSIONS_DIR: stale build lock {lock} (a build or load of {lock.parent.name} was killed and no process holds "
+            f"the lock now; every start would wait on it forever): remove it with `rm {lock}` and start again")
+
+
+@contextlib.contextmanager
+def watch_build_locks(poll_s: float = 2.0):
+    """While the block runs (the trainer's start, where DeepSpeed loads its ops), stop the process with
+    the one-line error when a build lock it may be waiting on turns stale: its holder was killed after
+    the pre-launch check passed. Torch itself would wait forever without a word."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(poll_s):
+            stale = stale_build_locks()
+            if stale and not done.is_set():
+                print(f"config error: {stale_lock_message(stale[0])}", file=sys.stderr, flush=True)
+                os._exit(2)
+
+    t = threading.Thread(target=watch, name="mode-build-locks", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -102,15 +102,12 @@ def check_loggers(cfg: Config) -> None:
 
 
 def check_build_locks() -> None:
-    from mode.lifeline import stale_build_locks, use_venv_build_cache
+    from mode.lifeline import stale_build_locks, stale_lock_message, use_venv_build_cache
 
     use_venv_build_cache()
     stale = stale_build_locks()
     if stale:
-        lock = stale[0]
-        raise ConfigError("TORCH_EXTENSIONS_DIR", msg=f"stale build lock {lock} (a build of "
-                          f"{lock.parent.name} was killed and nothing is building it now; every start would wait on "
-                          f"it forever): remove it with `rm {lock}` and start again")
+        raise ConfigError("TORCH_EXTENSIONS_DIR", msg=stale_lock_message(stale[0]))
 
 
 def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict | None:
@@ -160,6 +157,12 @@ def finished(cfg: Config) -> str | None:
 
 class Trainer:
     def __init__(self, cfg: Config):
+        from mode.lifeline import watch_build_locks
+
+        with watch_build_locks():  # DeepSpeed loads (or builds) its ops in here: a killed builder must not hang us
+            self._start(cfg)
+
+    def _start(self, cfg: Config) -> None:
         self.rank, self.world = eng.init_distributed()
         cfg.validate(self.world)
         self.cfg, self.dev = cfg, eng.device()

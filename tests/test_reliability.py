@@ -514,15 +514,42 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
 
 
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
+    """A lock is stale when no process holds it open (torch's FileBaton keeps it open while it builds or
+    loads), whatever its age: a start killed seconds ago left one that hangs every later start."""
     from mode.lifeline import stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL)  # as FileBaton.try_acquire
+    try:
+        assert stale_build_locks(confirm_s=0.01) == []  # held: a build or load is under way
+    finally:
+        os.close(fd)
+    assert stale_build_locks(confirm_s=0.01) == [lock]  # its holder is gone, the file is seconds old
+
+
+def test_on_a_network_filesystem_an_unheld_lock_is_stale_only_once_its_build_is_quiet(tmp_path, monkeypatch):
+    """A builder on another node holds the lock where this host cannot see it: there, a lock is stale
+    only when nothing in its build directory changed for remote_quiet_s."""
+    from mode import lifeline
+
+    mounts = "/dev/vda / ext4 rw 0 0\nserver:/export /shared nfs4 rw 0 0\nserver:/x /shared/x\\040y lustre rw 0 0\n"
+    assert lifeline.fs_type(Path("/shared/venv/torch_extensions"), mounts) == "nfs4"
+    assert lifeline.fs_type(Path("/sharedother/venv"), mounts) == "ext4"
+    assert lifeline.fs_type(Path("/shared/x y/ext"), mounts) == "lustre"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(lifeline, "fs_type", lambda path: "nfs4")  # this machine has no NFS server to mount
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
     lock.write_text("")
-    assert stale_build_locks() == []  # young: a build may be starting
-    os.utime(lock, (time.time() - 600, time.time() - 600))
-    assert stale_build_locks() == [lock]
+    (lock.parent / ".ninja_log").write_text("")
+    assert lifeline.stale_build_locks(confirm_s=0.01, remote_quiet_s=60) == []  # maybe building elsewhere
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    assert lifeline.stale_build_locks(confirm_s=0.01, remote_quiet_s=60) == []  # ninja's log just changed
+    os.utime(lock.parent / ".ninja_log", (old, old))
+    assert lifeline.stale_build_locks(confirm_s=0.01, remote_quiet_s=60) == [lock]
 
 
 @pytest.mark.slow
@@ -533,7 +560,6 @@ def test_a_live_build_is_not_called_stale(tmp_path, monkeypatch):
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
     lock.write_text("")
-    os.utime(lock, (time.time() - 600, time.time() - 600))
     builder = subprocess.Popen(["sleep", "60"], cwd=lock.parent)  # stands where ninja would run
     try:
         assert stale_build_locks() == []
@@ -547,14 +573,41 @@ def test_a_live_build_is_not_called_stale(tmp_path, monkeypatch):
 def test_stale_build_lock_refuses_the_start_in_one_line(tmp_path):
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
-    lock.write_text("")
-    os.utime(lock, (time.time() - 600, time.time() - 600))
+    lock.write_text("")  # left seconds ago by a killed start
     r = subprocess.run([PY, "-m", "mode.cli", "train", "--config", CFG, *TINY, f"run.dir={tmp_path / 'run'}"],
                        cwd=ROOT, env=dict(env(1), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")), capture_output=True,
                        text=True, timeout=120)
     lines = one_line(r.stderr)
     assert r.returncode == 2 and len(lines) == 1 and f"rm {lock}" in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_start_waiting_on_a_build_whose_builder_dies_stops_in_one_line(tmp_path):
+    """The builder holds the lock through the start's pre-launch check, then is killed while the start
+    waits on the lock inside DeepSpeed's op load: torch would wait forever; the start stops in one line."""
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([PY, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+                               "print(flush=True); time.sleep(600)", str(lock)], stdout=subprocess.PIPE)
+    prepared = tmp_path / "prepared"
+    holder.stdout.readline()  # it holds the lock
+    start = subprocess.Popen([PY, "-m", "mode.cli", "train", "--config", CFG, *TINY, f"run.dir={tmp_path / 'run'}",
+                              f"data.prepared_dir={prepared}"], cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                             env=dict(env(1), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")))
+    try:
+        deadline = time.time() + 120
+        while not list(prepared.glob("*/manifest.json")):  # the pre-launch check (lock first, data last) passed
+            assert start.poll() is None and time.time() < deadline, start.stderr.read()
+            time.sleep(0.2)
+        holder.kill()
+        _, err = start.communicate(timeout=60)
+    finally:
+        for p in (holder, start):  # a hung start (the bug) must not outlive the test
+            p.kill()
+            p.wait()
+    lines = one_line(err)
+    assert start.returncode == 2 and len(lines) == 1 and f"rm {lock}" in lines[0], err
 
 
 # ----------------------------------------------------------------------------------------------
