@@ -46,6 +46,8 @@ EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".r
 # hub_config is left out while empty: data prepared before the key existed keeps its directory.
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
               "eos_token", "val_fraction", "max_documents", "split_seed")
+HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
+DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet")  # not code: a corpus of .py files may hold test.py
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
@@ -270,13 +272,17 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
     files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
-    held = [f for f in files if Path(f).stem.lower() in ("validation", "valid", "val", "dev", "test")]
-    if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
-        print(f"warning: data.source={spec} includes {held[0]}, read as training documents like every file; "
-              f"set data.val_source={held[0]} to make it the validation set", file=sys.stderr)
     if cfg.hub_config and not repo and (looks_local(spec) or spec == "stdlib"):
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
                           "of a hub dataset or of a local dataset repository whose README.md lists `configs:`)")
+    # A data file named as a held-out split beside the training files: with val_fraction alone, whole
+    # files would be drawn into either split (a text file is one document), and the validation file
+    # trained on. Refused: the user says which file is which.
+    held = [f for f in files if Path(f).stem.lower() in HELD_OUT_NAMES and Path(f).suffix.lower() in DATA_SUFFIXES]
+    if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
+        raise ConfigError("data.val_source", "", f"the held-out file in data.source={spec}: set "
+                          f"data.val_source={held[0]} (its documents become the validation set and are never "
+                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} out of data.source")
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if local:
         if not files:

@@ -166,6 +166,26 @@ def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
                                       "data.num_workers=1"]))
 
 
+@pytest.mark.parametrize("name", ["validation.txt", "test.jsonl"])
+def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
+    """Bug caught: a folder with train.txt and validation.txt was two documents, one drawn at random as
+    the validation set: with split_seed 0, 1 or 2 the model trained on validation.txt. Refused in one
+    line naming the key to set, before anything is written; a code file named test.py is not held out."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "train.txt").write_text("training text " * 50)
+    (d / name).write_text("held out text " * 5 if name.endswith(".txt") else json.dumps({"text": "held out"}))
+    with pytest.raises(ConfigError, match=rf"^config error: data.val_source='': the held-out file in "
+                                          rf"data.source={d}: set data.val_source={d / name} "):
+        prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)
+    assert not (tmp_path / "prepared").exists() or not any((tmp_path / "prepared").iterdir())
+    (d / name).unlink()
+    (d / "test.py").write_text("def test():\n    pass\n" * 20)
+    (d / "more.txt").write_text("more training text " * 50)
+    path = prep.prepare(dcfg(tmp_path, source=str(d), val_fraction=0.5), progress=False)
+    assert prep.read_manifest(path)["splits"]["val"]["documents"] >= 1
+
+
 def test_val_source_is_never_trained_on(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
