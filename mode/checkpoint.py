@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mode.config import ConfigError
+
 # The layout: the one place that spells it. Everything else calls the functions below.
 CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/
 STEP_RE = re.compile(r"^step_(\d{8})$")  # .../step_00000100/ (`.tmp`: being written, `.bad`: moved aside)
@@ -163,13 +165,14 @@ def newest_verified(root: Path, move_aside: bool = True, log=None) -> Path | Non
     """The newest checkpoint that verifies. Each newer one that does not is reported in one line
     and (move_aside) renamed to `step_N.bad`, so a resumed run neither loads it nor collides with it."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    for d in reversed(step_dirs(root)):
+    dirs = step_dirs(root)
+    for i, d in reversed(list(enumerate(dirs))):
         problem = verify(d)
         if problem is None:
             return d
         moved = _move_aside(d) if move_aside else None
         log(f"checkpoint {d} is unusable ({problem}); " + (f"moved to {moved.name}, " if moved else "")
-            + "falling back to the previous one")
+            + ("falling back to the previous one" if i else "and no earlier one is left"))
     return None
 
 
@@ -189,11 +192,19 @@ def newest_weights(run_dir: str | os.PathLike, log=None) -> Path | None:
 
 
 def resume_point(root: Path, rank: int) -> Path | None:
-    """Rank 0 verifies (and moves aside what does not verify); every rank gets its answer."""
-    found = [str(newest_verified(root)) if rank == 0 else None]
+    """Rank 0 verifies (and moves aside what does not verify); every rank gets its answer. A run
+    whose every checkpoint failed is refused: starting it over here would log a second series of
+    the same steps into its directory."""
+    found = [str(newest_verified(root)), bool(step_dirs(root) or list(root.glob("step_*.bad")))] if rank == 0 \
+        else [None, None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] not in (None, "None") else None
+    if found[0] in (None, "None"):
+        if found[1]:
+            raise ConfigError("run.fresh", False, f"true to start over: no checkpoint in {root} verifies (each "
+                                                  "was moved aside as step_N.bad and kept), nothing to resume from")
+        return None
+    return Path(found[0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -249,6 +249,25 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, h
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad"]
 
 
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(tmp_path):
+    """Bug caught: with every checkpoint unusable the run silently restarted from step 0 in its own
+    directory (a second series of the same steps in its logs), each damaged one reported as "falling
+    back to the previous one". Now the last line says none is left and the resume is refused."""
+    from mode import checkpoint as ckpt
+    from mode.config import ConfigError
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        _damage(_fake_checkpoint(root, step, step), "flipped")
+    lines = []
+    assert ckpt.newest_verified(root, log=lines.append) is None
+    assert "falling back" in lines[0] and "no earlier one is left" in lines[1], lines
+    with pytest.raises(ConfigError, match=r"^config error: run.fresh=False: true to start over: no checkpoint in "):
+        ckpt.resume_point(root, 0)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002.bad", "step_00000004.bad"]  # kept
+    assert ckpt.resume_point(tmp_path / "none", 0) is None  # a new run has nothing to resume: no error
+
+
 def test_manifest_is_written_only_after_every_file_it_vouches_for_is_on_disk(tmp_path, monkeypatch):
     """Bug caught: only the manifest was fsynced, so after a power loss a manifest could survive while
     the files it lists (still in the page cache) did not: a "verified" checkpoint with lost data."""
