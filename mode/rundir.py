@@ -3,7 +3,7 @@
 A run directory is recognised by what `mode` writes into it: every entry is an ARTEFACT and at
 least one is a SIGNATURE, a name only a run writes (a user's own `config.yaml` or `eval/` is not
 enough). A start, fresh or not, goes only into a new or empty directory or such a run, never the
-current directory or a parent of it, so a user's files are never overwritten or deleted.
+current directory, a parent of it or $HOME, so a user's files are never overwritten or deleted.
 `run.fresh=true` empties the run but keeps `slurm/`: the SLURM job writes its log and hostfile
 there before the trainer starts (launch/slurm.sbatch), and a directory holding only that is new.
 
@@ -50,15 +50,22 @@ def is_mode_run(d: Path) -> bool:
     return d.is_dir() and not foreign_entries(d) and any((d / s).exists() for s in SIGNATURES)
 
 
+def check_place(path: str, key: str = "run.dir") -> Path:
+    """A directory mode may fill, `~` expanded: not empty, not the current directory or a parent of
+    it (`/` included), not $HOME, where a run or a grid would mix with the user's own files.
+    Raises ConfigError (nothing written)."""
+    if not str(path).strip():
+        raise ConfigError(key, path, "a non-empty path (an unset shell variable?)")
+    d = Path(os.path.expanduser(path))
+    if _is_within(Path.cwd().resolve(), d.resolve()) or d.resolve() == Path.home().resolve():
+        raise ConfigError(key, path, "a directory that is neither the current directory, a parent of it nor the "
+                                     "home directory (e.g. runs/NAME)")
+    return d
+
+
 def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) -> Path:
     """Refuse a run directory that would lose a user's files; raises ConfigError (nothing written)."""
-    if not run_dir.strip():
-        raise ConfigError(key, run_dir, "a non-empty path (an unset shell variable?)")
-    d = Path(os.path.expanduser(run_dir))
-    here = Path.cwd().resolve()
-    if _is_within(here, d.resolve()):
-        raise ConfigError(key, run_dir, "a directory that is neither the current directory nor a parent of it "
-                                        "(e.g. runs/NAME)")
+    d = check_place(run_dir, key)
     if d.exists() and not d.is_dir():
         raise ConfigError(key, run_dir, "a directory (this path is a file)")
     if d.is_dir():
