@@ -6,6 +6,9 @@ enough). A start, fresh or not, goes only into a new or empty directory or such 
 current directory, a parent of it or $HOME, so a user's files are never overwritten or deleted.
 `run.fresh=true` empties the run but keeps `slurm/`: the SLURM job writes its log and hostfile
 there before the trainer starts (launch/slurm.sbatch), and a directory holding only that is new.
+It keeps `report/` too: `mode analyze RUN_DIR` writes it there, but a `report/` is not proof
+enough that mode wrote it (a user's own notes may be called that), and nothing mode cannot
+prove it wrote is deleted.
 
 One writer: the live job holds an exclusive `flock` on `<dir>/LOCK` (rank 0 of a trainer, or
 `mode compare` on its runs_dir). The kernel drops the lock when the holder dies, however it dies;
@@ -29,11 +32,14 @@ from mode.config import ConfigError
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
-             "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
+             "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
+             "report"}  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
+# Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next analyze.
+REPORT = "report"
 
 
 def _is_within(a: Path, b: Path) -> bool:
@@ -96,9 +102,9 @@ def _shown(names: list[str]) -> str:
 
 def empty_run_dir(d: Path) -> None:
     """run.fresh: delete what a previous run wrote (check() proved it is a run), not the lock we
-    hold nor the job logs (the live job may be writing one)."""
+    hold, the job logs (the live job may be writing one) nor a report (maybe not mode's)."""
     for p in d.iterdir():
-        if p.name in (LOCK, JOB_LOGS):
+        if p.name in (LOCK, JOB_LOGS, REPORT):
             continue
         assert p.name in ARTEFACTS, p  # check() ran first
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
