@@ -445,7 +445,8 @@ def _routing_section(runs: list[RunLog], out_dir: Path) -> list[str]:
 
 def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: list[float] | None = None) -> Path:
     """Write report.md, summary.json and figures for every run under runs_dir; return report.md's path.
-    out_dir defaults to RUNS_DIR/report. An isoFLOP section is added when the runs form an
+    out_dir defaults to RUNS_DIR/report (for one run, RUN_DIR/report: a run artefact, mode/rundir.py,
+    so the run can still be resumed). An isoFLOP section is added when the runs form an
     isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are clustered."""
     runs_dir = Path(runs_dir)
     runs = load_runs(runs_dir)
@@ -570,12 +571,28 @@ def summary_json(table: dict[str, dict]) -> dict:
     return out
 
 
+def run_broken_by(out: Path) -> Path | None:
+    """The run directory that a report written into `out` would add a foreign entry to (a run may
+    hold only what mode writes, mode/rundir.py ARTEFACTS, or it is refused on resume), else None."""
+    from analysis.tb import is_run_dir
+    from mode.rundir import ARTEFACTS
+
+    out, below = out.resolve(), None
+    for d in (out, *out.parents):
+        if is_run_dir(d) and (below is None or below.name not in ARTEFACTS):
+            return d
+        below = d
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from mode.errors import OneLineParser
 
     p = OneLineParser(prog="mode analyze", description="Comparison report of the runs under RUNS_DIR.")
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
-    p.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUNS_DIR/report)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output directory (default: RUNS_DIR/report; for one run RUN_DIR/report, which "
+                        "resuming or run.fresh=true leaves in place); not elsewhere inside a run directory")
     p.add_argument("--experiment", metavar="YAML", default=None,
                    help="experiment YAML; its top-level FLOP `budgets:` group an isoFLOP grid (else budgets are "
                         "clustered), as `mode compare` does")
@@ -583,12 +600,19 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.isoflop import load_budgets
     from mode.config import ConfigError
 
-    if not Path(args.runs_dir).is_dir():
+    runs_dir = Path(args.runs_dir).expanduser()  # `~` in a quoted argument too, as `mode compare`
+    if not runs_dir.is_dir():
         print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
                                                      "directory)"), file=sys.stderr)
         return 2
+    out = Path(args.out).expanduser() if args.out else None
+    broken = run_broken_by(out) if out is not None else None
+    if broken is not None:  # a foreign entry in a run makes `mode train` refuse to resume it
+        print(ConfigError("--out", args.out, f"a directory outside the run directory {broken} (or its report/)"),
+              file=sys.stderr)
+        return 2
     try:
-        path = analyze(args.runs_dir, args.out, load_budgets(args.experiment) if args.experiment else None)
+        path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment else None)
     except ConfigError as e:  # a bad `budgets:`: one line, nothing written
         print(e, file=sys.stderr)
         return 2

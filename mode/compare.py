@@ -7,7 +7,8 @@ prints its path as the last line: `report: <path>`.
 Experiment format::
 
     name: quickstart
-    runs_dir: runs/quickstart        # relative to the current directory (the repo root for `make demo`)
+    runs_dir: runs/quickstart        # relative to the current directory (the repo root for `make demo`),
+                                     # `~` expanded; not the current directory, a parent of it or $HOME
     launcher: local                  # local | deepspeed | slurm (below)
     nproc: 1                         # processes (ranks) per run for `local`
     seeds: [0]                       # default seeds of every variant
@@ -186,8 +187,17 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
             raise _bad(path, f"launcher_options.{k}={v!r}: {allowed}")
 
 
-def load_experiment(path: str | os.PathLike) -> Experiment:
-    path = Path(path)
+def _user_path(v: str) -> str:
+    """A path the user wrote, `~` expanded: the shell expands it on a command line, not in a YAML
+    value or a quoted argument, and a literal `./~/` would hold the grid's files."""
+    return os.path.expanduser(v)
+
+
+def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Experiment:
+    """runs_dir (`--runs-dir`) replaces the experiment's runs_dir and its report_dir."""
+    from mode.rundir import check_place
+
+    path = Path(_user_path(str(path)))
     if not path.is_file():
         raise ConfigError("EXPERIMENT", str(path), "an existing experiment YAML file")
     try:
@@ -205,6 +215,8 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
     options = raw.get("launcher_options") or {}
     if not isinstance(options, dict):
         raise _bad(path, "launcher_options must be a mapping")
+    options = {k: _user_path(v) if k in ("hostfile", "script") and isinstance(v, str) else v
+               for k, v in options.items()}
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
     _check_options(options, launcher, path)
     nproc = raw.get("nproc", 1)
@@ -222,9 +234,13 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
     from analysis.isoflop import parse_budgets  # the one reader of `budgets:` (also `mode analyze --experiment`)
 
     budgets = parse_budgets(raw)
-    runs_dir = raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"
-    return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=Path(runs_dir),
-                      report_dir=Path(raw["report_dir"]) if raw.get("report_dir") else None,
+    report_dir = raw.get("report_dir")
+    if runs_dir is not None:  # a rerun elsewhere: its report goes with it
+        runs, report_dir = check_place(runs_dir, "--runs-dir"), None
+    else:  # the same refusal as a run.dir: the grid's LOCK, plan and report go there
+        runs = check_place(str(raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"), "runs_dir")
+    return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=runs,
+                      report_dir=Path(_user_path(str(report_dir))) if report_dir else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
@@ -246,7 +262,7 @@ def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | No
         config = v["config"]
         if not isinstance(config, str):
             raise _bad(exp.path, f"variants.{name}.config must be a path")
-        cfg_path = (exp.path.parent / config).resolve()
+        cfg_path = (exp.path.parent / _user_path(config)).resolve()
         for s in seeds:
             run_dir = exp.runs_dir / f"{name}_seed{s}"
             ov = [*exp.overrides, *_str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides"),
@@ -579,9 +595,7 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        exp = load_experiment(a.experiment)
-        if a.runs_dir:
-            exp.runs_dir, exp.report_dir = Path(a.runs_dir), None
+        exp = load_experiment(a.experiment, a.runs_dir)
         if a.seeds:
             try:
                 seeds = [int(x) for x in a.seeds.split(",")]

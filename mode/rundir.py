@@ -3,9 +3,12 @@
 A run directory is recognised by what `mode` writes into it: every entry is an ARTEFACT and at
 least one is a SIGNATURE, a name only a run writes (a user's own `config.yaml` or `eval/` is not
 enough). A start, fresh or not, goes only into a new or empty directory or such a run, never the
-current directory or a parent of it, so a user's files are never overwritten or deleted.
+current directory, a parent of it or $HOME, so a user's files are never overwritten or deleted.
 `run.fresh=true` empties the run but keeps `slurm/`: the SLURM job writes its log and hostfile
 there before the trainer starts (launch/slurm.sbatch), and a directory holding only that is new.
+It keeps `report/` too: `mode analyze RUN_DIR` writes it there, but a `report/` is not proof
+enough that mode wrote it (a user's own notes may be called that), and nothing mode cannot
+prove it wrote is deleted.
 
 One writer: the live job holds an exclusive `flock` on `<dir>/LOCK` (rank 0 of a trainer, or
 `mode compare` on its runs_dir). The kernel drops the lock when the holder dies, however it dies;
@@ -29,11 +32,14 @@ from mode.config import ConfigError
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
-             "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm"}  # loggers, `mode eval` results, SLURM logs and hostfiles
+             "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
+             "report"}  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
+# Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next analyze.
+REPORT = "report"
 
 
 def _is_within(a: Path, b: Path) -> bool:
@@ -50,15 +56,22 @@ def is_mode_run(d: Path) -> bool:
     return d.is_dir() and not foreign_entries(d) and any((d / s).exists() for s in SIGNATURES)
 
 
+def check_place(path: str, key: str = "run.dir") -> Path:
+    """A directory mode may fill, `~` expanded: not empty, not the current directory or a parent of
+    it (`/` included), not $HOME, where a run or a grid would mix with the user's own files.
+    Raises ConfigError (nothing written)."""
+    if not str(path).strip():
+        raise ConfigError(key, path, "a non-empty path (an unset shell variable?)")
+    d = Path(os.path.expanduser(path))
+    if _is_within(Path.cwd().resolve(), d.resolve()) or d.resolve() == Path.home().resolve():
+        raise ConfigError(key, path, "a directory that is neither the current directory, a parent of it nor the "
+                                     "home directory (e.g. runs/NAME)")
+    return d
+
+
 def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) -> Path:
     """Refuse a run directory that would lose a user's files; raises ConfigError (nothing written)."""
-    if not run_dir.strip():
-        raise ConfigError(key, run_dir, "a non-empty path (an unset shell variable?)")
-    d = Path(os.path.expanduser(run_dir))
-    here = Path.cwd().resolve()
-    if _is_within(here, d.resolve()):
-        raise ConfigError(key, run_dir, "a directory that is neither the current directory nor a parent of it "
-                                        "(e.g. runs/NAME)")
+    d = check_place(run_dir, key)
     if d.exists() and not d.is_dir():
         raise ConfigError(key, run_dir, "a directory (this path is a file)")
     if d.is_dir():
@@ -89,9 +102,9 @@ def _shown(names: list[str]) -> str:
 
 def empty_run_dir(d: Path) -> None:
     """run.fresh: delete what a previous run wrote (check() proved it is a run), not the lock we
-    hold nor the job logs (the live job may be writing one)."""
+    hold, the job logs (the live job may be writing one) nor a report (maybe not mode's)."""
     for p in d.iterdir():
-        if p.name in (LOCK, JOB_LOGS):
+        if p.name in (LOCK, JOB_LOGS, REPORT):
             continue
         assert p.name in ARTEFACTS, p  # check() ran first
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()

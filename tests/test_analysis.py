@@ -306,6 +306,31 @@ def test_cli(runs_dir, tmp_path):
     assert list(empty.iterdir()) == []  # an error writes nothing
 
 
+def test_analyzing_one_run_leaves_it_resumable(tmp_path, capsys):
+    """Bug caught: `mode analyze RUN_DIR` wrote RUN_DIR/report, which mode/rundir.py did not count as
+    the run's, so resuming the run (or run.fresh=true) was refused: "it holds report, which mode
+    did not write". report/ is now the run's; fresh keeps it (mode cannot prove it wrote a report/),
+    and --out elsewhere inside the run is refused before anything is written."""
+    from mode import rundir
+
+    run = tmp_path / "run"
+    _write_run(run, "dense", 0, 2.5)
+    for out in ("figs", "."):
+        assert report.main([str(run), "--out", str(run / out)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"config error: --out={str(run / out)!r}: a directory outside the run directory {run} (or its report/)"]
+    assert sorted(p.name for p in run.iterdir()) == ["DONE", "config.yaml", "run_info.json", "tb"]
+    assert report.main([str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "report" / "report.md")
+    for fresh in (False, True):
+        rundir.check(str(run), fresh)  # resumable, and fresh may start over
+    lock = rundir.DirLock(run)
+    rundir.empty_run_dir(run)
+    assert sorted(p.name for p in run.iterdir()) == ["LOCK", "report"]
+    assert (run / "report" / "report.md").is_file()
+    lock.release()
+
+
 def _write_run(path: Path, name: str, seed: int, eval_loss: float, world: int = 1, **cfg_over) -> None:
     """A run directory as the trainer leaves it: config.yaml, run_info.json, tb/ event file, DONE."""
     import yaml

@@ -385,3 +385,57 @@ def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch):
     assert not prepared.exists() and not (tmp_path / "runs").exists() and not (tmp_path / "run").exists()
     assert lr.main(["--num_gpus", "2", "--validate-only", *cmd]) == 0
     assert any(prepared.rglob("manifest.json")), sorted(prepared.rglob("*"))
+
+
+def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
+    """Bug caught: `runs_dir: ~/x` (or `--runs-dir '~/x'`) was taken literally: the runs went to
+    $HOME/x (run.dir expands `~`) but the grid's LOCK and experiment.json to ./~/x, and the report
+    found no runs there (exit 1). The trainer is replaced by a stub that leaves a finished run."""
+    from mode import compare
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+
+    def finished_run(exp, run, env):  # what a trainer leaves: config, run info, DONE
+        run.dir.mkdir(parents=True)
+        (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
+        (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed}))
+        (run.dir / "DONE").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(compare, "run_one", finished_run)
+    exp = experiment(tmp_path, runs_dir="~/grid", report_dir="~/rep",
+                     overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"])
+    assert compare.main([str(exp), "--dry-run", "--only", "dense"]) == 0
+    out, err = capsys.readouterr()
+    assert f"in {home / 'grid'}, launcher local" in err and f"run.dir={home / 'grid' / 'dense_seed0'} " in out
+    assert compare.main([str(exp), "--only", "dense"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"report: {home / 'rep' / 'report.md'}")
+    assert sorted(p.name for p in (home / "grid").iterdir()) == ["LOCK", "dense_seed0", "experiment.json"]
+    assert compare.main([str(exp), "--only", "dense", "--runs-dir", "~/rerun"]) == 0  # report_dir goes with it
+    assert capsys.readouterr().out.strip().endswith(f"report: {home / 'rerun' / 'report' / 'report.md'}")
+    assert sorted(p.name for p in (home / "rerun").iterdir()) == ["LOCK", "dense_seed0", "experiment.json", "report"]
+    assert not (cwd / "~").exists() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("value", [".", "..", "/", "~", "~/", "HOME"])
+@pytest.mark.parametrize("flag", [False, True])
+def test_runs_dir_never_cwd_a_parent_of_it_or_home(tmp_path, monkeypatch, capsys, value, flag):
+    """A grid's LOCK, plan, report and run directories go into runs_dir: refused as run.dir is."""
+    from mode import compare
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # not a parent of cwd: refused as $HOME itself
+    monkeypatch.chdir(cwd)
+    value = str(home) if value == "HOME" else value
+    exp = experiment(tmp_path, **({} if flag else {"runs_dir": value}))
+    before = sorted(tmp_path.rglob("*"))
+    assert compare.main([str(exp), "--dry-run", *(["--runs-dir", value] if flag else [])]) == 2
+    key = "--runs-dir" if flag else "runs_dir"
+    assert capsys.readouterr().err.splitlines() == [
+        f"config error: {key}={value!r}: a directory that is neither the current directory, a parent of it nor "
+        "the home directory (e.g. runs/NAME)"]
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written

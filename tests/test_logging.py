@@ -393,6 +393,19 @@ def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped
 
 
 @pytest.mark.slow
+def test_an_analyzed_run_resumes_to_the_end(tmp_path, stopped_at_2):
+    """Bug caught: `mode analyze RUN_DIR` wrote RUN_DIR/report, and resuming the run was then
+    refused ("it holds report, which mode did not write")."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    r = mode_cli("analyze", run)
+    assert r.stdout.strip() == str(run / "report" / "report.md")
+    report = (run / "report" / "report.md").read_text()
+    r = mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}")
+    assert "at step 2" in r.stderr and "finished at step 6" in r.stdout and (run / "DONE").is_file(), r.stderr
+    assert (run / "report" / "report.md").read_text() == report  # the report is left as it was
+
+
+@pytest.mark.slow
 def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
     run = copy_run(stopped_at_2[0], tmp_path / "run")
     args = [*TINY, *STEPS, f"run.dir={run}"]

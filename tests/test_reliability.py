@@ -35,12 +35,14 @@ def test_run_dir_tilde_is_expanded():
     assert load_config(CFG, ["run.dir=~/runs/x"]).run.dir == str(Path.home() / "runs" / "x")
 
 
-@pytest.mark.parametrize("value", ["", " ", ".", "..", "/"])
+@pytest.mark.parametrize("value", ["", " ", ".", "..", "/", "~"])
 def test_run_dir_never_empty_cwd_or_parent(tmp_path, monkeypatch, value):
     from mode import rundir
     from mode.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # not a parent of the current directory
+    (tmp_path / "home").mkdir()
     (tmp_path / "keep.txt").write_text("mine")
     for fresh in (False, True):
         with pytest.raises(ConfigError, match="run.dir"):
