@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from mode.config import Config, ModelConfig
 from mode.mod import MoDBlock
 from mode.model.blocks import AttnSublayer, MLPSublayer
-from mode.model.layers import MLP
+from mode.mlp import MLP
 from mode.moe.base import MoEBase
 from mode.plan import LayerPlan, Route, layer_plan
 from mode.routed import Cost

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mode.mlp import MLP  # noqa: F401 - defined outside this package: the MoE experts are MLPs too
 from mode.routed import Cost
 
 
@@ -164,28 +165,6 @@ class Attention(nn.Module):
         and the full s x s_kv score and value products (what SDPA without block skipping does)."""
         s_kv = s if s_kv is None else s_kv
         return Cost(4 * d * d, 4 * d * d + 4 * d * d * s_kv / s + 4 * s_kv * d)
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, kind: str = "swiglu"):
-        super().__init__()
-        self.kind = kind
-        self.w_in = nn.Linear(d_model, (2 if kind == "swiglu" else 1) * d_ff, bias=False)
-        self.w_out = nn.Linear(d_ff, d_model, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor, valid_BS=None, routing: str = "topk") -> torch.Tensor:
-        h = self.w_in(x_BSD)
-        if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.w_out(h)
-
-    @staticmethod
-    def cost(d: int, f: int, kind: str) -> Cost:
-        n = (3 if kind == "swiglu" else 2) * d * f
-        return Cost(n, 2 * n)
 
 
 def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.model.layers import MLP
+from mode.mlp import MLP
 from mode.routed import Cost
 from mode.routing.experts import Routing
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.model.layers import MLP
+from mode.mlp import MLP
 from mode.moe.base import MoEBase
 from mode.routing.experts import ExpertRouter, route_metrics
 
