@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from mode.portable import TOKENIZER_DIR, WEIGHTS, save_weights
@@ -52,6 +53,9 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(source),
                 "parameters": sum(p.numel() for p in model.parameters())}
         (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+        # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got
+        # (config.yaml: the umask's, e.g. 0644), so whoever may read the config may read the weights.
+        os.chmod(tmp / WEIGHTS, stat.S_IMODE((tmp / "config.yaml").stat().st_mode))
         if out.exists():
             out.rmdir()  # empty (checked above); rmdir refuses if something appeared since
         tmp.rename(out)

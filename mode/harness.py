@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -223,12 +224,59 @@ except ImportError:  # lm-eval is an optional extra; `mode eval` says how to ins
 # `mode eval`
 
 
+@contextmanager
+def _hub(offline: bool):
+    """datasets and huggingface_hub read HF_HUB_OFFLINE / HF_DATASETS_OFFLINE once, at import: an
+    offline block sets their flags (local files and the local HF cache only: no request, so no
+    retries). Their warnings are held back either way (a failed download is retried with a log
+    line per try, ~50 s of them; the failure becomes one line here), and so is lm-eval's note on
+    every `custom_dataset` task (the shipped example reads its data through one)."""
+    import logging
+
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
+    loggers = [logging.getLogger(n) for n in ("huggingface_hub", "datasets")]
+    levels = [lg.level for lg in loggers]
+    task_log = logging.getLogger("lm_eval.api.task")
+    custom_note = lambda r: "Custom kwargs can be passed" not in r.getMessage()  # noqa: E731
+    try:
+        if offline:
+            datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = hub.HF_HUB_OFFLINE = True
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        task_log.addFilter(custom_note)
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = saved
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        task_log.removeFilter(custom_note)
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """None when the Hugging Face Hub answers (any HTTP status; HF_ENDPOINT and proxy settings
+    honoured, as huggingface_hub's own session does), else why not."""
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - DNS, refused, timeout, proxy: all mean "not reachable"
+        return f"{constants.ENDPOINT}: {' '.join(str(e).split()) or type(e).__name__}"
+    return None
+
+
 def _task_manager(tasks: list[str], include_path: str | None):
-    """A TaskManager that knows every requested task; unknown names and tasks whose data cannot
-    be loaded are one-line errors before any scoring (and before anything is written). Indexing
-    the harness's ~15k built-in task YAMLs takes ~25 s, so when --include-path alone defines all
-    requested tasks the built-ins are not indexed."""
+    """(TaskManager that knows every requested task, offline): unknown names and tasks whose data
+    cannot be loaded are one-line errors before any scoring (and before anything is written).
+    Indexing the harness's ~15k built-in task YAMLs takes ~25 s, so when --include-path alone
+    defines all requested tasks the built-ins are not indexed. Data are read offline first (local
+    files, the local HF cache); only a task missing from both asks the hub, once reachable:
+    `offline` says whether scoring can stay offline too."""
     import datasets
+    import datasets.config
+    from huggingface_hub import constants
     from lm_eval.tasks import TaskManager
 
     datasets.disable_progress_bars()
@@ -241,16 +289,37 @@ def _task_manager(tasks: list[str], include_path: str | None):
         if t not in tm.all_tasks:
             where = f" or under {include_path}" if include_path else " (add --include-path DIR for local task YAMLs)"
             raise ConfigError("--tasks", t, f"a task, group or tag known to lm-eval{where}; `lm-eval ls tasks` lists them")
+    env_offline = datasets.config.HF_HUB_OFFLINE  # HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set
+    offline = True
     for t in tasks:
-        try:
-            tm.load([t])
-        except Exception as e:  # datasets raises many kinds: missing file, no network, bad schema
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if isinstance(e, FileNotFoundError):  # datasets reads a YAML's relative data_files from the cwd
-                msg += (f"; relative data paths are read from the current directory {Path.cwd()}: run from "
-                        "the directory they are relative to (the repository root for configs/eval)")
-            raise ConfigError("--tasks", msg=f"--tasks={t!r}: its data could not be loaded ({type(e).__name__}: {msg})")
-    return tm
+        while True:
+            try:
+                with _hub(offline):
+                    tm.load([t])
+                break
+            except ConnectionError as e:  # offline: not in the cache (datasets' and the hub's errors alike)
+                if not offline:
+                    _data_error(t, e)
+                why = "offline mode: HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if env_offline else _hub_unreachable()
+                if why is None:
+                    offline = False  # the hub answers: download (and score) online
+                    continue
+                raise ConfigError("--tasks", msg=(
+                    f"--tasks={t!r}: its data is neither in the local Hugging Face cache ({constants.HF_HOME}) nor "
+                    f"reachable ({why}); download it once on a machine with network into a cache HF_HOME points to "
+                    "(README: standard tasks), or use a local task YAML (--include-path)")) from None
+            except Exception as e:  # datasets raises many kinds: missing file, bad schema
+                _data_error(t, e)
+    return tm, offline
+
+
+def _data_error(task: str, e: Exception):
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, FileNotFoundError):  # datasets reads a `dataset_path: json` task's relative data_files from the cwd
+        msg += (f"; relative data paths are read from the current directory {Path.cwd()}: run from the directory they "
+                "are relative to, write absolute paths, or read them relative to the YAML as configs/eval does "
+                "(custom_dataset: !function local_json.load)")
+    raise ConfigError("--tasks", msg=f"--tasks={task!r}: its data could not be loaded ({type(e).__name__}: {msg})") from None
 
 
 def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit: float | None = None,
@@ -263,9 +332,10 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
         raise ConfigError("--routing", routing, "causal or topk")
     if lm is None:
         lm = ModeLM(run=run, routing=routing, batch_size=batch_size, device=device)
-    tm = _task_manager(tasks, include_path)
-    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
-                                  log_samples=False)
+    tm, offline = _task_manager(tasks, include_path)
+    with _hub(offline):  # the harness loads the tasks again: from where they were found above
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
+                                      log_samples=False)
     res["mode"] = {"run": str(run), "routing": routing,
                    "note": "causal: sampling-time routing (no lookahead)" if routing == "causal"
                    else "topk: training-time routing (sees the whole window: not sampling-safe)"}

@@ -1,7 +1,9 @@
 """`mode export`: a portable model (safetensors + config + tokenizer) that `load_run` reads back
 with the same logits and the same tokenizer as the run it came from. Needs no lm-eval."""
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -47,6 +49,20 @@ def test_export_creates_missing_parent_directories(tmp_path):
     ids = torch.tensor([[TOK.eos_id] + TOK.encode("x = 1").tolist()])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, load_run(out)[0](ids).logits)
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
+def test_exported_weights_are_as_readable_as_the_config(tmp_path, umask, mode):
+    """safetensors creates its file 0600 whatever the umask: on a shared cluster colleagues could
+    read the export's config but not its weights. Every file gets what the umask gives."""
+    _, run = fake_run(tmp_path, "dense")
+    old = os.umask(umask)
+    try:
+        assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    assert modes == {"config.yaml": mode, "export.json": mode, "model.safetensors": mode}, modes
 
 
 def _hf_tokenizer(d, eos_in_config: str | None = None):

@@ -142,8 +142,7 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     empty.mkdir()
     (empty / "config.yaml").write_text((run / "config.yaml").read_text())
     (tmp_path / "tasks").mkdir()  # a task whose data file is missing
-    y = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text().replace("task: stdlib_ppl", "task: gone_ppl")
-    (tmp_path / "tasks" / "gone.yaml").write_text(y.replace("configs/eval/data/stdlib_ppl.jsonl", str(tmp_path / "nope.jsonl")))
+    (tmp_path / "tasks" / "gone.yaml").write_text(_json_task("gone_ppl", tmp_path / "nope.jsonl"))
     before = sorted(tmp_path.rglob("*"))
     inc = ["--include-path", str(ROOT / "configs/eval")]
     _one_line_error(capsys, ["eval", "--run", str(empty), "--tasks", "stdlib_ppl", *inc], "complete checkpoint")
@@ -153,13 +152,36 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 
-def test_shipped_task_run_from_another_directory_says_where_its_data_is_read_from(tmp_path, capsys, monkeypatch):
-    """The example YAMLs name their data relative to the repository root (datasets reads them from
-    the current directory): from elsewhere, the one line says so instead of only "file not found"."""
-    _, run = fake_run(tmp_path, "dense")
+def _json_task(name: str, data) -> str:
+    """The shipped stdlib_ppl task as a plain `dataset_path: json` YAML reading `data`."""
+    y = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text().replace("task: stdlib_ppl", f"task: {name}")
+    y = y.replace("custom_dataset: !function local_json.load", "dataset_path: json")
+    assert "dataset_path: json" in y and "test: data/stdlib_ppl.jsonl" in y
+    return y.replace("test: data/stdlib_ppl.jsonl", f"test: {data}")
+
+
+def test_shipped_task_runs_from_any_directory(tmp_path, capsys, monkeypatch):
+    """The example YAMLs read their data relative to their own directory (configs/eval/local_json.py),
+    not the current one: from elsewhere they score the same documents."""
+    model, run = fake_run(tmp_path, "dense")
     monkeypatch.chdir(tmp_path)
-    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path",
-                             str(ROOT / "configs/eval")], f"read from the current directory {tmp_path}: run from")
+    out = tmp_path / "r.json"
+    assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path", str(ROOT / "configs/eval"),
+                     "--limit", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())["results"]["stdlib_ppl"]
+    doc = json.loads((ROOT / "configs/eval/data/stdlib_ppl.jsonl").read_text().splitlines()[0])["text"]
+    assert res["bits_per_byte,none"] == pytest.approx(-rolling_ref(model, doc) / len(doc.encode()) / math.log(2), abs=1e-5)
+
+
+def test_own_task_with_relative_data_says_where_it_was_read_from(tmp_path, capsys, monkeypatch):
+    """A `dataset_path: json` task's relative data_files are read (by datasets) from the current
+    directory: the one line says so instead of only "file not found"."""
+    _, run = fake_run(tmp_path, "dense")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text(_json_task("mine_ppl", "data/mine.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "mine_ppl", "--include-path", str(tmp_path / "tasks")],
+                    f"read from the current directory {tmp_path}: run from")
     assert not (run / "eval").exists()
 
 
@@ -181,6 +203,20 @@ def test_unknown_task_is_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         r.stderr.strip()] and "config error: --tasks='no_such_task_xyz'" in r.stderr, r.stderr
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
+
+
+@pytest.mark.slow  # a standard task: indexing lm-eval's built-in tasks (~25 s)
+def test_standard_task_without_its_data_or_the_hub_is_one_line(tmp_path):
+    """arc_easy with an empty HF cache and a hub that refuses connections: one line naming the task,
+    the cache and why the hub is out of reach, instead of ~50 s of datasets' retry log lines."""
+    _, run = fake_run(tmp_path, "dense")
+    r = mode_cli("eval", "--run", run, "--tasks", "arc_easy", "--limit", "2", check=False, timeout=60,  # hang guard
+                 extra_env={"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert err[0].startswith("config error: --tasks='arc_easy': its data is neither in the local Hugging Face cache")
+    assert str(tmp_path / "hf") in err[0] and "http://127.0.0.1:9" in err[0] and "--include-path" in err[0]
+    assert not (run / "eval").exists()
 
 
 # ----------------------------------------------------------------------------------------------
