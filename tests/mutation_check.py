@@ -155,16 +155,24 @@ MUTANTS = [
      "start = ((step * accum + micro) * self.world + self.rank) * micro_batch",
      "start = ((step * accum + micro) + self.rank) * micro_batch", ["tests/test_data.py"]),
     ("ranks read overlapping eval samples", "mode/data.py",
-     "start = (b * self.world + self.rank) * micro_batch", "start = (b + self.rank) * micro_batch", ["tests/test_data.py"]),
+     "((b * self.world + self.rank) * micro_batch + j)", "((b + self.rank) * micro_batch + j)", ["tests/test_data.py"]),
     ("sample order not a permutation", "mode/data.py",
      "        while x >= n:\n            x = once(x)\n", "        x = x % n\n", ["tests/test_data.py"]),
     ("same sample order every epoch", "mode/data.py",
      "self.cfg.split_seed * 1000003 + int(e))", "self.cfg.split_seed * 1000003)", ["tests/test_data.py"]),
+    ("eval/bpb counts a prepended space as a byte", "mode/data.py",
+     "total += int(nbytes[d]) - int(table[tokens].sum())", "total += 0", ["tests/test_data.py"]),
     # Checkpoints
     ("checksum not compared on load", "mode/checkpoint.py",
      '        if _sha256(p) != meta["sha256"]:\n', "        if False:\n", CKPT),
     ("size not compared on load", "mode/checkpoint.py",
      '        if size != meta["bytes"]:\n', "        if False:\n", CKPT),
+    ("every checkpoint damaged: the run restarts in its own directory", "mode/checkpoint.py",
+     "        if found[1]:\n", "        if False:\n", CKPT),
+    # Start-up
+    ("a build lock held open is called stale", "mode/lifeline.py",
+     "            if any(os.readlink(fd) == str(lock) for fd in (proc / \"fd\").iterdir()):",
+     "            if False:", CKPT),
 ]
 
 
