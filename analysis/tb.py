@@ -224,10 +224,13 @@ def load_runs(runs_dir: str | Path) -> list[RunLog]:
     return separate_configs([load_run_log(p) for p in find_run_dirs(runs_dir)])
 
 
-# What a run measures does not depend on its seed, where it lives, or how often it logs and saves;
-# everything else (model, data, tokenizer, steps, batch, optimizer, precision) and the world size do.
+# What a run measures does not depend on its seed, where it lives, how often it logs and saves, or how
+# its data is read and its activations kept (the same tokens, the same math: a seed resumed with more
+# tokenizer workers or with activation checkpointing is still a seed of its variant); everything else
+# (model, data, tokenizer, steps, batch, optimizer, precision) and the world size do.
 NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.stop_at", "train.log_every",
-                "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite")
+                "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite",
+                "data.num_workers", "data.prepared_dir", "data.shard_tokens", "train.activation_checkpointing")
 
 
 def config_signature(run: RunLog) -> dict:

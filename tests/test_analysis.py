@@ -374,7 +374,8 @@ def test_mfu_above_100_percent_is_called_out(tmp_path):
 def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     root = tmp_path / "runs"
     _write_run(root / "a" / "dense_seed0", "dense", 0, 2.0)
-    _write_run(root / "a" / "dense_seed1", "dense", 1, 2.2)  # a seed of the same config
+    _write_run(root / "a" / "dense_seed1", "dense", 1, 2.2, data__num_workers=7, data__prepared_dir="/elsewhere",
+               train__activation_checkpointing="block")  # a seed of the same config, read and kept differently
     _write_run(root / "b" / "dense_seed0", "dense", 0, 5.0, data__tokenizer="byte", train__max_steps=2)
     _write_run(root / "c" / "dense_seed0", "dense", 0, 4.0, world=2)
     out = tmp_path / "out"
