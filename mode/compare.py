@@ -42,7 +42,8 @@ Launchers:
   (once: a job still queued or running is not submitted again). Job logs (appended on requeue):
   `runs_dir/slurm/<run>-<jobid>.out`. `launcher_options`: `num_nodes` (1), `num_gpus` (per node;
   default nproc), `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit`
-  (false), `env` (mapping exported to the job). `--wait` (the default when stdin is a terminal;
+  (false), `env` (mapping exported to the job). A run whose recorded job is still queued or running
+  is not refused as in use by another writer: the rerun waits for that job. `--wait` (the default when stdin is a terminal;
   `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
   state) and writes the report when every run is done. A job that ended without finishing its
   run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or COMPLETED before train.max_steps)
@@ -361,7 +362,8 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) ->
     for r in runs:
         try:
             r.cfg = load_config(r.config, r.overrides, world_size=world)
-            preflight(r.cfg, prepare_data=prepare_data)
+            # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
+            preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare_data)
         except ConfigError as e:
             text = str(e).removeprefix("config error: ")
             raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
@@ -436,6 +438,15 @@ def slurm_job_state(job: str) -> str:
         except (IndexError, TypeError):
             pass
     return "UNKNOWN"
+
+
+def slurm_active_job(exp: Experiment, run: GridRun) -> str | None:
+    """The job recorded for this run (runs_dir/slurm/<run>.jobid) if SLURM still holds it queued or running."""
+    if exp.launcher != "slurm":
+        return None
+    job_file = exp.runs_dir / "slurm" / f"{run.name}.jobid"
+    job = job_file.read_text().strip() if job_file.is_file() else ""
+    return job if job and slurm_job_state(job) in SLURM_ACTIVE else None
 
 
 def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:

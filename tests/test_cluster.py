@@ -234,6 +234,46 @@ def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(t
         assert job != jobs[name] and job_field(cluster, job, "JobState") == "COMPLETED"
 
 
+@pytest.mark.slow
+def test_compare_waits_again_for_its_own_running_job(tmp_path, cluster):
+    """`mode compare --no-wait`, then the same with `--wait` (its printed hint) while the job trains:
+    the run's lock is held by the grid's own job, so it is waited for, not refused as a second writer
+    (was `run.dir=... is in use by pid N`, exit 2) and not submitted again."""
+    from mode.rundir import check_lock
+
+    exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
+           "overrides": [*RUN, "train.max_steps=400", "checkpoint.every=400"],
+           "launcher_options": {"num_gpus": 0, "submit": True},
+           "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    run, job_file = tmp_path / "runs" / "dense_seed0", tmp_path / "runs" / "slurm" / "dense_seed0.jobid"
+
+    def compare(*args):
+        return subprocess.run([PY, "-m", "mode.cli", "compare", str(path), "--poll", "1", *args], cwd=ROOT,
+                              env=cluster_env(cluster), capture_output=True, text=True, timeout=900)
+
+    r = compare("--no-wait")
+    assert r.returncode == 0 and "submitted job" in r.stderr, r.stderr
+    job = job_file.read_text().strip()
+    try:
+        end = time.monotonic() + 300
+        while True:  # until the job's trainer holds the run's lock
+            assert time.monotonic() < end and job_field(cluster, job, "JobState") in SLURM_ACTIVE, list(run.glob("*"))
+            try:
+                check_lock(run)
+            except Exception:
+                break
+            time.sleep(0.5)
+        r = compare("--wait")
+    finally:
+        subprocess.run(["scancel", job], env=cluster_env(cluster))
+    assert r.returncode == 0, r.stderr
+    assert f"job {job} is queued or running" in r.stderr and "submitted job" not in r.stderr, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
+    assert (run / "DONE").exists() and job_file.read_text().strip() == job
+
+
 # ----------------------------------------------------------------------------------------------
 # pdsh over ssh: two "nodes" (mode-node0 = 127.0.0.1, mode-node1 = 127.0.0.2).
 
