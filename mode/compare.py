@@ -36,7 +36,8 @@ Launchers:
   (mapping exported to every rank on every node).
 - `slurm`: writes one replayable submit script per unfinished run to `runs_dir/slurm/<run>.sh`
   (the environment the job needs: this interpreter as PYTHON, PYTHONPATH, PATH, SLURM_CONF, the
-  variables launch/run.py passes to ranks, then `sbatch --nodes N --gpus-per-node G
+  variables launch/run.py passes to ranks, GPUS_PER_NODE set from the grid (a value in the user's
+  shell would change the jobs' world size), then `sbatch --nodes N --gpus-per-node G
   [sbatch_args] launch/slurm.sbatch --config ...`; with `num_gpus: 0`, for partitions without
   GPUs, `--ntasks-per-node nproc` instead) and, with `launcher_options.submit: true`, runs it
   (once: a job still queued or running is not submitted again). Job logs (appended on requeue):
@@ -312,6 +313,8 @@ def child_env(exp: Experiment) -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # a nested run must not join our group
         env.pop(k, None)
     env["MODE_WATCH_PARENT"] = "1"  # a trainer started by compare ends with it (mode/lifeline.py)
+    if exp.launcher == "slurm":  # slurm.sbatch takes it as ranks per node: the grid was validated for these
+        env["GPUS_PER_NODE"] = str(slurm_ranks_per_node(exp))
     return env
 
 
@@ -453,7 +456,7 @@ def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
     """A submit script that replays this submission: cwd, interpreter, environment, sbatch line."""
     lr = _launch()
     keep = {k: v for k, v in env.items() if (k.startswith(lr.PASS_PREFIXES) or k in (
-        "PATH", "VIRTUAL_ENV", "SLURM_CONF", "PYTHONUNBUFFERED")) and not SECRET_RE.search(k) and "\n" not in v}
+        "PATH", "VIRTUAL_ENV", "SLURM_CONF", "PYTHONUNBUFFERED", "GPUS_PER_NODE")) and not SECRET_RE.search(k) and "\n" not in v}
     keep.update({k: str(v) for k, v in (exp.options.get("env") or {}).items()})
     keep.update(PYTHON=sys.executable, MODE_ROOT=str(ROOT))
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(keep.items()))

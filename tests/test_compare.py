@@ -318,6 +318,22 @@ def test_slurm_script_leaves_the_accelerator_to_the_job_nodes(tmp_path, monkeypa
     assert compare.child_env(local)["DS_ACCELERATOR"] == "cpu"  # this machine runs the ranks
 
 
+def test_slurm_jobs_get_the_grids_ranks_per_node_not_the_shells(tmp_path, monkeypatch):
+    """slurm.sbatch takes GPUS_PER_NODE as ranks per node: one left in the user's shell changed the
+    jobs' world size behind the grid's validation, and the replay script lacked it."""
+    from mode import compare
+    from mode.config import load_config
+
+    monkeypatch.setenv("GPUS_PER_NODE", "7")
+    for o, ranks in (({"num_gpus": 0}, "2"), ({"num_gpus": 4}, "4")):
+        exp = compare.load_experiment(experiment(tmp_path, launcher="slurm", nproc=2, launcher_options=o))
+        run = compare.expand(exp)[0]
+        run.cfg = load_config(run.config, run.overrides)
+        env = compare.child_env(exp)
+        assert env["GPUS_PER_NODE"] == ranks
+        assert f"export GPUS_PER_NODE={ranks}\n" in compare.slurm_script(exp, run, env)
+
+
 def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
     """ssh_port and launcher_args reach launch/run.py (a cluster whose sshd is not on port 22)."""
     from mode import compare
