@@ -651,6 +651,21 @@ def main(argv=None) -> int:
         return 128 + int(e.signum)
 
 
+def again_command(a, *flags: str) -> str:
+    """`mode compare` with the user's own grid arguments (experiment, overrides, --runs-dir, --only,
+    --seeds, --poll) and `flags`: a hint without them would target the grid's default runs."""
+    only = [v for v in a.only or [] if "=" not in v]
+    cmd = ["mode", "compare", a.experiment, *a.overrides, *[v for v in a.only or [] if "=" in v]]
+    if a.runs_dir is not None:
+        cmd += ["--runs-dir", a.runs_dir]
+    if a.seeds:
+        cmd += ["--seeds", a.seeds]
+    if a.poll != 30.0:
+        cmd += ["--poll", f"{a.poll:g}"]
+    cmd += [*flags, *(["--only", *only] if only else [])]  # last: --only takes the words after it
+    return shlex.join(cmd)
+
+
 def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> int:
     n = len(runs)
     todo = sum(r.status != "done" for r in runs)
@@ -668,17 +683,16 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             try:
                 failed += wait_slurm(exp, runs, active, log, a.poll)
             except Stopped as e:  # main() turns SIGINT/SIGTERM into Stopped
-                log(f"stopped waiting; the jobs keep running (`mode compare {a.experiment} --wait` waits again)")
+                log(f"stopped waiting; the jobs keep running (`{again_command(a, '--wait')}` waits again)")
                 return 128 + int(e.signum)
         for line in failed:
             log(f"failed: {line}")
         if failed:
-            log(f"{len(failed)} run(s) did not finish; no report. `mode compare {a.experiment} --resubmit` "
-                "resumes them")
+            log(f"{len(failed)} run(s) did not finish; no report. `{again_command(a, '--resubmit')}` resumes them")
             return 1
         pending = [r.name for r in runs if r.status != "done"]
         if pending:
-            log(f"{len(pending)} run(s) not finished; `mode compare {a.experiment} --wait` waits for them and "
+            log(f"{len(pending)} run(s) not finished; `{again_command(a, '--wait')}` waits for them and "
                 "writes the report")
             return 0
     else:

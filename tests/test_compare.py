@@ -334,6 +334,23 @@ def test_slurm_jobs_get_the_grids_ranks_per_node_not_the_shells(tmp_path, monkey
         assert f"export GPUS_PER_NODE={ranks}\n" in compare.slurm_script(exp, run, env)
 
 
+def test_follow_up_hints_keep_the_users_grid_arguments(tmp_path):
+    """The printed `--wait`/`--resubmit` commands name the same runs: --runs-dir, --only, --seeds and
+    overrides were dropped, so following a hint targeted the grid's default runs_dir."""
+    import argparse
+    import shlex
+
+    from mode import compare
+
+    a = argparse.Namespace(experiment="my grid.yaml", overrides=["train.max_steps=9"], only=["dense", "x.y=1"],
+                           runs_dir="runs/long", seeds="0,1", poll=5.0)
+    hint = compare.again_command(a, "--wait")
+    assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "x.y=1", "--runs-dir",
+                                 "runs/long", "--seeds", "0,1", "--poll", "5", "--wait", "--only", "dense"]
+    b = argparse.Namespace(experiment="g.yaml", overrides=[], only=None, runs_dir=None, seeds=None, poll=30.0)
+    assert compare.again_command(b, "--resubmit") == "mode compare g.yaml --resubmit"
+
+
 def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
     """ssh_port and launcher_args reach launch/run.py (a cluster whose sshd is not on port 22)."""
     from mode import compare
