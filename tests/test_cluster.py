@@ -63,6 +63,30 @@ def test_multinode_wrapper_without_node_rank_is_one_config_error(tmp_path):
         "config error: --node_rank=None: this node's rank (required with --no_ssh)"], r.stderr
 
 
+@pytest.mark.slow  # starts bash
+@pytest.mark.parametrize("ntasks, nodes, expect", [("2", "1", "--num_gpus 2"), ("4", "2", "--num_gpus 2"),
+                                                   ("3", "2", "config error: SLURM_NTASKS=3: a multiple of")])
+def test_sbatch_ranks_per_node_from_ntasks_alone(tmp_path, ntasks, nodes, expect):
+    """`sbatch -n N` without --ntasks-per-node (a script without the template's header) sets SLURM_NTASKS
+    and no SLURM_NTASKS_PER_NODE: ranks per node are N / nodes (was 1, silently), refused if uneven.
+    The template runs up to its validation, with stand-ins for scontrol and the interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node0\n")
+    (bin_dir / "py").write_text('#!/usr/bin/env bash\necho "$@" >&2\nexit 3\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    e = {k: v for k, v in env(1).items() if not k.startswith("SLURM_") and k != "GPUS_PER_NODE"}
+    e.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "py"), SLURM_JOB_ID="7",
+             SLURM_JOB_NODELIST="node0", SLURM_NNODES=nodes, SLURM_NTASKS=ntasks, SLURM_SUBMIT_DIR=str(tmp_path))
+    r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "configs/tiny/dense.yaml"],
+                       env=e, capture_output=True, text=True, timeout=60)
+    if expect.startswith("config error"):
+        assert r.returncode == 2 and r.stderr.strip().startswith(expect) and len(r.stderr.splitlines()) == 1, r.stderr
+    else:
+        assert r.returncode == 3 and "--validate-only" in r.stderr and expect in r.stderr, r.stderr
+
+
 def test_env_values_survive_the_remote_shell():
     """The pdsh runner exports `KEY=<value>` inside the remote shell command; what DeepSpeed builds from
     our env-file line must evaluate back to the value (bash as the remote shell, as over ssh)."""
