@@ -50,7 +50,9 @@ Launchers:
   run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or COMPLETED before train.max_steps)
   is reported with its state and log and is not submitted again unless `--resubmit` is given
   (it then resumes from its newest checkpoint); the exit status is then 1 and no report is
-  written.
+  written. A job that COMPLETED at the run's train.stop_at stopped as asked: the report is
+  written from what exists. With `submit: false` nothing is waited for: submit the scripts, then
+  `--wait`.
 
 Before the first run starts every run's config is resolved and checked (values, world size vs.
 expert-parallel size, tokenizer, an existing run directory of an incompatible config): a bad
@@ -469,6 +471,14 @@ def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
     return exp.runs_dir.resolve() / "slurm" / f"{run.name}-{job}.out"
 
 
+def _stopped_as_asked(run: GridRun, state: str) -> bool:
+    """A job that COMPLETED at the run's train.stop_at did what it was asked (as with the local launcher)."""
+    run.status, run.resume_step = status(run)
+    stop = run.cfg.train.stop_at
+    run.extra["stopped"] = state == "COMPLETED" and run.status == "resume" and stop > 0 and run.resume_step == stop
+    return run.extra["stopped"]
+
+
 def _unfinished(exp: Experiment, run: GridRun, job: str, state: str) -> str:
     run.status, run.resume_step = status(run)
     where = f"stopped at step {run.resume_step}" if run.status == "resume" else "no checkpoint"
@@ -500,6 +510,9 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
                 log(f"{tag}: job {job} is queued or running ({state})")
                 active[r.name] = job
                 continue
+            if not resubmit and _stopped_as_asked(r, state):
+                log(f"{tag}: job {job} stopped it at step {r.resume_step} (train.stop_at)")
+                continue
             if not resubmit:
                 failed.append(_unfinished(exp, r, job, state))
                 log(f"{tag}: job {job} ended ({state}) without finishing the run; not resubmitted "
@@ -530,8 +543,9 @@ def wait_slurm(exp: Experiment, runs: list[GridRun], active: dict, log, poll_s: 
                 continue
             del active[name]
             r = by_name[name]
-            r.status, r.resume_step = status(r)
-            if r.status != "done":
+            if _stopped_as_asked(r, state):
+                log(f"{name}: stopped at step {r.resume_step} (train.stop_at)")
+            elif r.status != "done":
                 failed.append(_unfinished(exp, r, job, state))
         if active:
             time.sleep(poll_s)
@@ -690,11 +704,20 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
         if failed:
             log(f"{len(failed)} run(s) did not finish; no report. `{again_command(a, '--resubmit')}` resumes them")
             return 1
-        pending = [r.name for r in runs if r.status != "done"]
+        pending = [r for r in runs if r.status != "done" and not r.extra.get("stopped")]
+        if pending and not exp.options.get("submit"):  # no job id recorded: --wait has nothing to wait for
+            log(f"{len(pending)} run(s) not submitted (submit: false); submit the scripts above (bash "
+                f"{exp.runs_dir / 'slurm'}/<run>.sh), then `{again_command(a, '--wait')}` waits for them and "
+                "writes the report")
+            return 0
         if pending:
             log(f"{len(pending)} run(s) not finished; `{again_command(a, '--wait')}` waits for them and "
                 "writes the report")
             return 0
+        stopped = [r.name for r in runs if r.extra.get("stopped")]
+        if stopped:  # the report is written from what exists, as with the local launcher
+            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); without train.stop_at, "
+                f"`{again_command(a, '--resubmit')}` continues them")
     else:
         t_all = time.perf_counter()
         for i, r in enumerate(runs, 1):

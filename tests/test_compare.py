@@ -140,6 +140,8 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     assert "sbatch --job-name=grid-dense_seed0" in text and "--nodes=2 --gpus-per-node=4 --partition=gpu" in text
     assert f"{ROOT / 'launch' / 'slurm.sbatch'} --config" in text and "run.name=dense" in text
     assert "submit with: bash" in r.stderr and not r.stdout.strip() and not log.exists()
+    # submit: false records no job id, so `--wait` has nothing to wait for: the hint says to submit first
+    assert "2 run(s) not submitted (submit: false); submit the scripts above" in r.stderr, r.stderr
 
     spec = yaml.safe_load(exp.read_text())
     spec["launcher_options"]["submit"] = True
@@ -351,6 +353,28 @@ def test_follow_up_hints_keep_the_users_grid_arguments(tmp_path):
     assert compare.again_command(b, "--resubmit") == "mode compare g.yaml --resubmit"
 
 
+def test_slurm_job_that_completed_at_stop_at_stopped_as_asked(tmp_path, monkeypatch):
+    """A job COMPLETED at the run's train.stop_at is not a failure (it was `COMPLETED without finishing
+    the run`, exit 1), neither while waiting nor when compare is invoked again; an early COMPLETED is."""
+    from mode import compare
+    from mode.config import load_config
+
+    exp = compare.load_experiment(experiment(tmp_path, launcher="slurm", launcher_options={"num_gpus": 0,
+                                                                                           "submit": True}))
+    runs = compare.expand(exp, ["dense"], ["train.stop_at=4"])
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides)
+    (exp.runs_dir / "slurm").mkdir(parents=True)
+    (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
+    monkeypatch.setattr(compare, "slurm_job_state", lambda job: "COMPLETED")
+    for step, stopped in ((4, True), (2, False)):
+        monkeypatch.setattr(compare, "status", lambda run: ("resume", step))
+        failed = compare.wait_slurm(exp, runs, {"dense_seed0": "12"}, lambda m: None, 0)
+        assert (failed == []) == stopped and runs[0].extra["stopped"] == stopped, failed
+        active, failed = compare.run_slurm(exp, runs, {}, lambda m: None)
+        assert active == {} and (failed == []) == stopped, failed
+
+
 def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
     """ssh_port and launcher_args reach launch/run.py (a cluster whose sshd is not on port 22)."""
     from mode import compare
@@ -397,7 +421,7 @@ def test_ctrl_c_while_waiting_for_slurm_jobs_says_they_keep_running(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert err.read_text().strip().splitlines()[-1] == (
-        f"stopped waiting; the jobs keep running (`mode compare {exp} --wait` waits again)")
+        f"stopped waiting; the jobs keep running (`mode compare {exp} --poll 0.2 --wait` waits again)")
     assert not (tmp_path / "cancelled").exists()
 
 
