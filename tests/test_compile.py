@@ -114,16 +114,20 @@ def run_block(blk, x_BSD, pos_BS):
 @pytest.mark.slow  # dynamo + AOT autograd tracing: 10-20 s per block on a loaded 2-core machine
 @pytest.mark.parametrize("kind", ["dense", "mod", "moe_dropping", "mode_staged"])
 def test_block_compiles_without_graph_breaks_and_matches_eager(kind):
-    """A graph break (a host read of routing decisions, a data-dependent shape) raises under
-    fullgraph=True; forward and backward of the compiled block equal eager."""
+    """No graph break, counted as `compile_blocks` compiles (without fullgraph: torch 2.13's
+    fullgraph=True captures an `int(t)` / `.item()` / `.tolist()` host read into the graph instead
+    of raising); the fullgraph compile traces forward and backward, and both equal eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    x_BSD = torch.randn(B, S, D)
+    pos_BS = torch.arange(S).expand(B, S)
+    explained = torch._dynamo.explain(block(kind).train())(x_BSD, Ctx(pos_BS))
+    assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
     eager = block(kind).train()
     comp = block(kind).train()
     comp.load_state_dict(eager.state_dict())
     comp.compile(fullgraph=True, backend="aot_eager")  # traces forward + backward, no C++ build
-    torch.manual_seed(1)
-    x_BSD = torch.randn(B, S, D)
-    pos_BS = torch.arange(S).expand(B, S)
     outs = []
     for m in (eager, comp):
         x = x_BSD.clone().requires_grad_()
