@@ -206,6 +206,56 @@ def test_training_step_has_no_host_sync(kind):
     assert hs.seen == []
 
 
+TRAIN_STEP_SCRIPT = """
+import json, sys
+from mode.config import load_config
+from mode.metrics import Accumulator
+from mode.train import Trainer
+from tests.test_compile import HostSyncs, padded
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    t = Trainer(load_config(a["config"], a["overrides"]))
+    padded(t.model)
+    tc = t.cfg.train
+    t.train_step(Accumulator())  # warm-up: lazy optimizer and DeepSpeed state
+    batches = {m: t.data.train_batch(t.step, m, tc.micro_batch_size, tc.grad_accum) for m in range(tc.grad_accum)}
+    t.data.train_batch = lambda step, micro, *rest: batches[micro]  # the data's CPU index reads: not counted
+    with HostSyncs() as hs:
+        t.train_step(Accumulator())
+    print("SEEN", json.dumps(hs.seen))
+"""
+
+
+@pytest.mark.slow  # a Trainer joins a process group: its own process
+@pytest.mark.parametrize("precision,zero", [("fp32", 0), ("bf16", 1), ("bf16", 0)])
+def test_a_real_training_step_reads_the_device_where_the_readme_says(tmp_path, precision, zero):
+    """The whole optimizer step of the real Trainer (DeepSpeed engine, grad_accum 2, staged MoDE on
+    padded groups), not only forward + backward: fp32 reads once (GuardedAdamW's global norm), bf16
+    at ZeRO 1 a few times (DeepSpeed's overflow and norm checks), bf16 at ZeRO 0 once per gradient
+    tensor (DeepSpeed's unfused wrapper): README's "Host syncs" states each."""
+    import json
+    import subprocess
+
+    from tests.util import PY, ROOT, TINY, env
+
+    script = tmp_path / "step.py"
+    script.write_text(TRAIN_STEP_SCRIPT)
+    overrides = [*TINY, "data.num_workers=1", "train.grad_accum=2", f"deepspeed.precision={precision}",
+                 f"deepspeed.zero_stage={zero}", f"run.dir={tmp_path / 'run'}"]
+    r = subprocess.run([PY, str(script), json.dumps({"config": "configs/tiny/mode_staged.yaml", "overrides": overrides})],
+                       cwd=ROOT, env=dict(env(1), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SEEN ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    reads = json.loads(line[0][5:]).count("_local_scalar_dense")  # every host read of a value ends in it
+    if precision == "fp32":
+        assert reads == 1
+    elif zero == 1:
+        assert 1 <= reads <= 5, reads
+    else:
+        assert reads > 10, reads
+
+
 @pytest.mark.parametrize("what", ["exact_groups", "dropless", "causal_eval"])
 def test_known_syncs_are_seen(what):
     """The paths the README says sync do sync, so the detector above is not blind: exact expert
