@@ -195,8 +195,8 @@ def resume_point(root: Path, rank: int) -> Path | None:
     """Rank 0 verifies (and moves aside what does not verify); every rank gets its answer. A run
     whose every checkpoint failed is refused: starting it over here would log a second series of
     the same steps into its directory."""
-    found = [str(newest_verified(root)), bool(step_dirs(root) or list(root.glob("step_*.bad")))] if rank == 0 \
-        else [None, None]
+    # [newest verified, had checkpoints]: any that failed verification were just moved aside as .bad
+    found = [str(newest_verified(root)), any(root.glob("step_*.bad"))] if rank == 0 else [None, None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     if found[0] in (None, "None"):

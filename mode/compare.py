@@ -44,8 +44,8 @@ Launchers:
   `runs_dir/slurm/<run>-<jobid>.out`. `launcher_options`: `num_nodes` (1), `num_gpus` (per node;
   default nproc), `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit`
   (false), `env` (mapping exported to the job). A run whose recorded job is still queued or running
-  is not refused as in use by another writer: the rerun waits for that job. `--wait` (the default when stdin is a terminal;
-  `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
+  is not refused as in use by another writer: the rerun waits for that job. `--wait` (the default
+  when stdin is a terminal; `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
   state) and writes the report when every run is done. A job that ended without finishing its
   run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or COMPLETED before train.max_steps)
   is reported with its state and log and is not submitted again unless `--resubmit` is given
@@ -457,8 +457,9 @@ def slurm_active_job(exp: Experiment, run: GridRun) -> str | None:
 def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
     """A submit script that replays this submission: cwd, interpreter, environment, sbatch line."""
     lr = _launch()
-    keep = {k: v for k, v in env.items() if (k.startswith(lr.PASS_PREFIXES) or k in (
-        "PATH", "VIRTUAL_ENV", "SLURM_CONF", "PYTHONUNBUFFERED", "GPUS_PER_NODE")) and not SECRET_RE.search(k) and "\n" not in v}
+    named = ("PATH", "VIRTUAL_ENV", "SLURM_CONF", "PYTHONUNBUFFERED", "GPUS_PER_NODE")
+    keep = {k: v for k, v in env.items()
+            if (k.startswith(lr.PASS_PREFIXES) or k in named) and not SECRET_RE.search(k) and "\n" not in v}
     keep.update({k: str(v) for k, v in (exp.options.get("env") or {}).items()})
     keep.update(PYTHON=sys.executable, MODE_ROOT=str(ROOT))
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(keep.items()))
@@ -472,7 +473,8 @@ def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
 
 
 def _stopped_as_asked(run: GridRun, state: str) -> bool:
-    """A job that COMPLETED at the run's train.stop_at did what it was asked (as with the local launcher)."""
+    """A job that COMPLETED at the run's train.stop_at did what it was asked (as with the local launcher).
+    Reads the run's state first: run.status and run.resume_step are current afterwards."""
     run.status, run.resume_step = status(run)
     stop = run.cfg.train.stop_at
     run.extra["stopped"] = state == "COMPLETED" and run.status == "resume" and stop > 0 and run.resume_step == stop

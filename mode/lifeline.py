@@ -185,8 +185,9 @@ def stale_build_locks(confirm_s: float = 0.5, remote_quiet_s: float = 300.0) -> 
 
 
 def stale_lock_message(lock: Path) -> str:
-    return (f"TORCH_EXTENSIONS_DIR: stale build lock {lock} (a build or load of {lock.parent.name} was killed and no process holds "
-            f"the lock now; every start would wait on it forever): remove it with `rm {lock}` and start again")
+    return (f"TORCH_EXTENSIONS_DIR: stale build lock {lock} (a build or load of {lock.parent.name} was killed "
+            f"and no process holds the lock now; every start would wait on it forever): remove it with `rm {lock}` "
+            "and start again")
 
 
 @contextlib.contextmanager

@@ -31,9 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mode_cli(*args, check=True, timeout=600, threads=2, extra_env=None, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([PY, "-m", "mode.cli", *map(str, args)], cwd=kw.pop("cwd", ROOT),
-                       env={**env(threads), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout, **kw)
+def mode_cli(*args, check=True, timeout=600, threads=2, extra_env=None, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([PY, "-m", "mode.cli", *map(str, args)], cwd=cwd, env={**env(threads), **(extra_env or {})},
+                       capture_output=True, text=True, timeout=timeout, **kw)
     if check and r.returncode != 0:
         raise AssertionError(f"mode {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return r
