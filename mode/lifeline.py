@@ -103,12 +103,17 @@ def _in_use(lock: Path) -> bool:
             continue
         try:
             cwd = Path(os.readlink(proc / "cwd"))
-            if cwd == d or d in cwd.parents:
-                return True
-            if any(os.readlink(fd) == str(lock) for fd in (proc / "fd").iterdir()):
-                return True
+            fds = list((proc / "fd").iterdir())
         except OSError:
             continue  # gone, or another user's process (which cannot hold this user's cache)
+        if cwd == d or d in cwd.parents:
+            return True
+        for fd in fds:
+            try:
+                if os.readlink(fd) == str(lock):
+                    return True
+            except OSError:
+                continue  # closed since it was listed: the holder is busy (loading the op), not gone
     return False
 
 

@@ -550,6 +550,30 @@ def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
     assert stale_build_locks(confirm_s=0.01) == [lock]  # its holder is gone, the file is seconds old
 
 
+@pytest.mark.slow  # starts a process
+def test_a_busy_holder_of_a_build_lock_is_not_called_stale(tmp_path, monkeypatch):
+    """Bug caught (a 2-rank CI run failed): rank 0 held the lock while loading the op, opening and
+    closing files; one of its fds closed between listing and reading them and the whole process was
+    skipped, so rank 1's pre-launch check called the held lock stale and exited 2."""
+    from mode.lifeline import stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    # files open below the lock's fd number, closed and reopened all the time
+    churn = ("import os, sys\nfds = [os.open(os.devnull, os.O_RDONLY) for _ in range(500)]\n"
+             "os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\nprint(flush=True)\n"
+             "while True:\n    for fd in fds:\n        os.close(fd)\n"
+             "    fds = [os.open(os.devnull, os.O_RDONLY) for _ in fds]\n")
+    holder = subprocess.Popen([sys.executable, "-c", churn, str(lock)], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()
+        assert [stale_build_locks(confirm_s=0.01) for _ in range(20)] == [[]] * 20
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_on_a_network_filesystem_an_unheld_lock_is_stale_only_once_its_build_is_quiet(tmp_path, monkeypatch):
     """A builder on another node holds the lock where this host cannot see it: there, a lock is stale
     only when nothing in its build directory changed for remote_quiet_s."""
