@@ -571,20 +571,6 @@ def summary_json(table: dict[str, dict]) -> dict:
     return out
 
 
-def run_broken_by(out: Path) -> Path | None:
-    """The run directory that a report written into `out` would add a foreign entry to (a run may
-    hold only what mode writes, mode/rundir.py ARTEFACTS, or it is refused on resume), else None."""
-    from analysis.tb import is_run_dir
-    from mode.rundir import ARTEFACTS
-
-    out, below = out.resolve(), None
-    for d in (out, *out.parents):
-        if is_run_dir(d) and (below is None or below.name not in ARTEFACTS):
-            return d
-        below = d
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     from mode.errors import OneLineParser
 
@@ -599,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from analysis.isoflop import load_budgets
     from mode.config import ConfigError
+    from mode.rundir import REPORT, check_outside_runs
 
     runs_dir = Path(args.runs_dir).expanduser()  # `~` in a quoted argument too, as `mode compare`
     if not runs_dir.is_dir():
@@ -606,18 +593,15 @@ def main(argv: list[str] | None = None) -> int:
                                                      "directory)"), file=sys.stderr)
         return 2
     out = Path(args.out).expanduser() if args.out else None
-    broken = run_broken_by(out) if out is not None else None
-    if broken is not None:  # a foreign entry in a run makes `mode train` refuse to resume it
-        print(ConfigError("--out", args.out, f"a directory outside the run directory {broken} (or its report/)"),
-              file=sys.stderr)
-        return 2
     try:
+        if out is not None:
+            check_outside_runs(args.out, "--out", owned=REPORT)
         path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment else None)
     except ConfigError as e:  # a bad `budgets:`: one line, nothing written
         print(e, file=sys.stderr)
         return 2
-    except NoRuns as e:
-        print(f"error: {e}", file=sys.stderr)
+    except NoRuns as e:  # bad input like the others: a `config error:` line, exit 2
+        print(ConfigError("RUNS_DIR", args.runs_dir, msg=f"RUNS_DIR={args.runs_dir!r}: {e}"), file=sys.stderr)
         return 2
     print(path)
     return 0

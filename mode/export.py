@@ -23,6 +23,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     which must not exist or be empty (ConfigError otherwise, before anything is written)."""
     from mode.config import ConfigError, dump_config
     from mode.generate import load_run
+    from mode.rundir import check_outside_runs
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -30,6 +31,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     base = next(p for p in out.absolute().parents if p.exists())  # missing parents are created (`exports/x`)
     if not base.is_dir():
         raise ConfigError("--out", str(out), f"a directory path ({base} is not a directory)")
+    check_outside_runs(str(out), "--out")
     model, tok, cfg, source = load_run(run_dir, return_source=True)
     tok_files = []
     if cfg.data.tokenizer != "byte":

@@ -358,6 +358,7 @@ def format_table(res: dict) -> str:
 
 def main(argv=None) -> int:
     from mode.errors import OneLineParser  # bad options: one line, exit 2
+    from mode.rundir import check_outside_runs
 
     p = OneLineParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
     p.add_argument("--run", required=True, help="run directory or `mode export` directory")
@@ -385,6 +386,8 @@ def main(argv=None) -> int:
         raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} does not exist)")
     if out.is_dir():
         raise ConfigError("--out", a.out, "a file path, not a directory")
+    if a.out:  # the default, RUN/eval/, is the run's own
+        check_outside_runs(a.out, "--out", owned="eval")
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     res = evaluate(a.run, tasks, a.include_path, limit, a.batch_size, a.routing)
     print(format_table(res))

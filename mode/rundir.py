@@ -69,6 +69,27 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     return d
 
 
+def run_broken_by(out: str | Path, owned: str | None = None) -> Path | None:
+    """The run directory that writing `out` would add a foreign entry to (a run holds only ARTEFACTS,
+    else `mode train` refuses to resume it), or None. `owned`: the one top-level entry of a run this
+    writer may fill (`report` for `mode analyze`, `eval` for `mode eval`)."""
+    out, below = Path(out).expanduser().resolve(), None
+    for d in (out, *out.parents):
+        if d.is_dir() and any((d / s).exists() for s in SIGNATURES) and (below is None or below.name != owned):
+            return d
+        below = d
+    return None
+
+
+def check_outside_runs(out: str, key: str, owned: str | None = None) -> None:
+    """ConfigError (nothing written) when writing `out` would break a run: see run_broken_by."""
+    broken = run_broken_by(out, owned)
+    if broken is not None:
+        where = f" (or its {owned}/)" if owned else ""
+        raise ConfigError(key, out, f"a path outside the run directory {broken}{where}: a run holding anything "
+                                    "else is refused on resume")
+
+
 def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) -> Path:
     """Refuse a run directory that would lose a user's files; raises ConfigError (nothing written)."""
     d = check_place(run_dir, key)

@@ -171,8 +171,11 @@ MUTANTS = [
      "        if found[1]:\n", "        if False:\n", CKPT),
     # Start-up
     ("a build lock held open is called stale", "mode/lifeline.py",
-     "            if any(os.readlink(fd) == str(lock) for fd in (proc / \"fd\").iterdir()):",
-     "            if False:", CKPT),
+     "                if os.readlink(fd) == str(lock):\n                    return True\n",
+     "                if False:\n                    return True\n", CKPT),
+    ("a holder's fd closing mid-scan skips the busy holder", "mode/lifeline.py",
+     "                continue  # closed since it was listed",
+     "                break  # closed since it was listed", CKPT),
 ]
 
 

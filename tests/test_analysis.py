@@ -315,11 +315,13 @@ def test_analyzing_one_run_leaves_it_resumable(tmp_path, capsys):
 
     run = tmp_path / "run"
     _write_run(run, "dense", 0, 2.5)
-    for out in ("figs", "."):
+    for out in ("figs", ".", "tb/figs"):  # tb/ is mode's, but a report in it goes when run.fresh empties tb/
         assert report.main([str(run), "--out", str(run / out)]) == 2
         assert capsys.readouterr().err.splitlines() == [
-            f"config error: --out={str(run / out)!r}: a directory outside the run directory {run} (or its report/)"]
+            f"config error: --out={str(run / out)!r}: a path outside the run directory {run} (or its report/): "
+            "a run holding anything else is refused on resume"]
     assert sorted(p.name for p in run.iterdir()) == ["DONE", "config.yaml", "run_info.json", "tb"]
+    assert not (run / "tb" / "figs").exists()
     assert report.main([str(run)]) == 0
     assert capsys.readouterr().out.strip() == str(run / "report" / "report.md")
     for fresh in (False, True):

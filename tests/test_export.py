@@ -113,7 +113,8 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
                          (["--run", str(empty), "--out", str(tmp_path / "new")], "complete checkpoint"),
                          (["--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "new")], "--run"),
                          (["--run", str(run), "--out", str(tmp_path / "new"), "--bogus"], "--bogus"),
-                         (["--run", str(run), "--out", str(tmp_path / "taken" / "mine.txt" / "x")], "not a directory")):
+                         (["--run", str(run), "--out", str(tmp_path / "taken" / "mine.txt" / "x")], "not a directory"),
+                         (["--run", str(run), "--out", str(run / "export")], f"outside the run directory {run}:")):
         try:
             rc = cli_main(["export", *argv])
         except SystemExit as e:  # a bad option: argparse exits (mode's parser prints one line first)

@@ -149,6 +149,9 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "gone_ppl", "--include-path", str(tmp_path / "tasks")],
                     "data could not be loaded")
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--routing", "sideways"], "--routing")
+    # a results file beside the run's own entries: the run would be refused on every later start
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "stdlib_ppl", *inc, "--out", str(run / "r.json")],
+                    f"outside the run directory {run} (or its eval/)")
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 

@@ -574,6 +574,39 @@ def test_a_busy_holder_of_a_build_lock_is_not_called_stale(tmp_path, monkeypatch
         holder.wait()
 
 
+def test_a_holder_whose_fds_churn_mid_scan_still_holds_its_lock(tmp_path):
+    """Fast twin of the test above (same process, a thread churns fds below the lock's): a fd that
+    closes between listing and reading must not end the scan of its process before the lock's fd."""
+    import threading
+
+    from mode.lifeline import _in_use
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # let the churning thread run between listing and reading
+    lock = tmp_path / "lock"
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(500)]
+    lock_fd = os.open(lock, os.O_CREAT | os.O_EXCL)
+    stop = threading.Event()
+
+    def churn():
+        nonlocal fds
+        while not stop.is_set():
+            for fd in fds:
+                os.close(fd)
+            fds = [os.open(os.devnull, os.O_RDONLY) for _ in fds]
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        assert [_in_use(lock) for _ in range(20)] == [True] * 20
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old_interval)
+        for fd in fds + [lock_fd]:
+            os.close(fd)
+
+
 def test_on_a_network_filesystem_an_unheld_lock_is_stale_only_once_its_build_is_quiet(tmp_path, monkeypatch):
     """A builder on another node holds the lock where this host cannot see it: there, a lock is stale
     only when nothing in its build directory changed for remote_quiet_s."""
