@@ -22,7 +22,7 @@
 #
 # Variables: HOSTFILE (required for >1 node), NUM_NODES (default: all hosts), GPUS_PER_NODE (default:
 # hostfile slots), MASTER_ADDR (default: the first host, as every node resolves it), MASTER_PORT
-# (default 29500), SSH_PORT, NO_SSH, NODE_RANK, PYTHON (default: python3 on PATH; activate the venv).
+# (default 29500), SSH_PORT, NO_SSH, NODE_RANK, PYTHON (see below).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 args=(--launcher deepspeed)
@@ -36,4 +36,6 @@ if [[ -n "${NO_SSH:-}" ]]; then  # launch.run refuses a missing NODE_RANK in one
   args+=(--no_ssh); if [[ -n "${NODE_RANK:-}" ]]; then args+=(--node_rank "$NODE_RANK"); fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# PYTHON, else an activated virtualenv's python3, else the checkout's .venv (make install), else python3.
+[[ -z "${PYTHON:-}" && -z "${VIRTUAL_ENV:-}" && -x "$ROOT/.venv/bin/python" ]] && PYTHON="$ROOT/.venv/bin/python"
 exec "${PYTHON:-python3}" -m launch.run "${args[@]}" "$@"

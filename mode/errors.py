@@ -23,6 +23,9 @@ def wants_debug(argv: list[str]) -> tuple[bool, list[str]]:
 
 
 def one_line(e: BaseException) -> tuple[str, int]:
+    if isinstance(e, ModuleNotFoundError):  # before importing torch below: it may be the missing module
+        return (f"error: {sys.executable} cannot import {e.name} (not mode's environment: use .venv/bin/python, "
+                "which `make install` creates, or set PYTHON= for the launch scripts)"), 1
     from mode.checkpoint import CheckpointError, io_cause
     from mode.config import ConfigError
 

@@ -207,6 +207,25 @@ def test_dry_run_prints_launcher_commands(tmp_path):
     assert "torch.distributed.run --nnodes=2 --nproc-per-node=4 --node-rank=1 --master-addr=10.0.0.1" in r.stdout
 
 
+@pytest.mark.slow
+def test_launch_scripts_run_the_checkouts_python_and_name_a_wrong_one(tmp_path):
+    """Bug caught: the scripts ran `python3` on PATH, which (no venv active, as the README's examples
+    are typed) lacks torch: a chained traceback, the error handler itself importing torch."""
+    import sys
+
+    e = {k: v for k, v in env(1).items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    cmd = ["bash", "launch/torchrun.sh", "--dry-run", "--config", "configs/tiny/dense.yaml"]
+    r = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"{ROOT}/.venv/bin/python -u -m torch.distributed.run" in r.stdout, r.stdout + r.stderr
+    bare = sys._base_executable  # the interpreter the venv was made from: no torch there
+    if subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("the base interpreter has torch")
+    r = subprocess.run(cmd, cwd=ROOT, env={**e, "PYTHON": bare}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: {bare} cannot import torch (not mode's environment: use .venv/bin/python, which `make install` "
+        "creates, or set PYTHON= for the launch scripts)"], r.stderr
+
+
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
     """For ssh (pdsh) launches DeepSpeed exports each KEY=VALUE line of $DS_ENV_FILE on every node."""
     import launch.run as lr
