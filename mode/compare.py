@@ -235,6 +235,18 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
         if not isinstance(v, dict) or "config" not in v:
             raise _bad(path, f"variants.{name} must be a mapping with a `config:` path")
         _unknown(v, VARIANT_KEYS, path, f"variants.{name}.")
+    match = raw.get("match_flops") or {}
+    if not isinstance(match, dict):
+        raise _bad(path, f"match_flops={match!r}: a mapping {{variants: [a, b, ...], tolerance: 0.02}}")
+    if match:  # a misspelled key or variant would silently switch the FLOP guard off
+        _unknown(match, ("variants", "tolerance"), path, "match_flops.")
+        names = match.get("variants")
+        if not (isinstance(names, list) and len(names) >= 2 and all(n in variants for n in names)):
+            raise _bad(path, f"match_flops.variants={names!r}: a list of two or more of the variants "
+                             f"({', '.join(map(str, variants))})")
+        tol = match.get("tolerance", 0.02)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise _bad(path, f"match_flops.tolerance={tol!r}: a fraction in [0, 1), e.g. 0.02")
     from analysis.isoflop import parse_budgets  # the one reader of `budgets:` (also `mode analyze --experiment`)
 
     budgets = parse_budgets(raw)
@@ -248,7 +260,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
-                      match_flops=raw.get("match_flops") or {}, budgets=budgets)
+                      match_flops=match, budgets=budgets)
 
 
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:

@@ -289,6 +289,25 @@ def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("match,expect", [
+    ({"variants": ["dense", "mdo"]}, "match_flops.variants=['dense', 'mdo']: a list of two or more of the variants"),
+    ({"variants": ["dense"]}, "match_flops.variants=['dense']: a list of two or more"),
+    ({"variants": ["dense", "mod"], "tolerence": 0.5}, "unknown key match_flops.tolerence (did you mean tolerance?)"),
+    ({"variants": ["dense", "mod"], "tolerance": 2}, "match_flops.tolerance=2: a fraction in [0, 1)"),
+    (["dense", "mod"], "match_flops=['dense', 'mod']: a mapping"),
+])
+def test_a_bad_match_flops_is_refused_not_skipped(tmp_path, capsys, match, expect):
+    """Bug caught: an unknown variant or a misspelled key in match_flops was dropped silently, which
+    switched the matched-FLOP guard off (dense vs mod here differ by far more than 2%)."""
+    from mode import compare
+
+    exp = experiment(tmp_path, match_flops=match)
+    assert compare.main([str(exp), "--dry-run"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: experiment {exp}: ") and expect in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_good_launcher_options_pass_the_check(tmp_path):
     from mode.compare import load_experiment
 
