@@ -12,7 +12,7 @@ from mode.errors import OneLineParser as _OneLineParser  # bad options: one line
 
 
 def _flops(argv) -> int:
-    from mode.config import load_config
+    from mode.config import ConfigError, load_config
     from mode.flops import count, format_table
 
     p = _OneLineParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
@@ -29,8 +29,15 @@ def _flops(argv) -> int:
 
         target = count(load_config(a.match))["forward_flops_per_token"]
         v = solve_knob(cfg, a.knob, target, 1e-3, 1.0)
-        print(f"{a.knob}={v:.6g}  (target {target:.6g} FLOPs/token)")
         cfg = load_config(a.config, a.overrides + [f"{a.knob}={v}"])
+        got = count(cfg)["forward_flops_per_token"]
+        if abs(got / target - 1) > 0.02:  # the knob does not act here (dense) or cannot go that far
+            ends = [count(load_config(a.config, a.overrides + [f"{a.knob}={x}"]))["forward_flops_per_token"]
+                    for x in (1e-3, 1.0)]
+            raise ConfigError("--match", a.match, msg=f"--match={a.match}: its {target:.6g} FLOPs/token is out of "
+                              f"reach of {a.knob} in [0.001, 1], which gives {ends[0]:.6g} to {ends[1]:.6g} here "
+                              "(2% allowed, as match_flops)")
+        print(f"{a.knob}={v:.6g}  (target {target:.6g} FLOPs/token)")
     c = count(cfg)
     print(json.dumps(c) if a.json else format_table(c))
     return 0

@@ -125,6 +125,20 @@ def test_match_solves_the_mod_capacity(knob, capsys):
     assert abs(got["forward_flops_per_token"] - target) / target < 0.01, (v, got["forward_flops_per_token"], target)
 
 
+@pytest.mark.parametrize("config,other", [("dense", "mod"), ("mod", "moe")])
+def test_match_out_of_reach_is_refused(config, other, capsys):
+    """Bug caught: dense --match mod printed `model.mod.capacity=0.001` (the knob does nothing in a
+    dense model) and mod --match moe printed capacity 1 still 23% short, both with exit 0."""
+    from mode.cli import main
+
+    target = count(load_config(ROOT / f"configs/tiny/{other}.yaml"))["forward_flops_per_token"]
+    assert main(["flops", "--config", str(ROOT / f"configs/tiny/{config}.yaml"),
+                 "--match", str(ROOT / f"configs/tiny/{other}.yaml")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [err.strip()] and err.startswith(
+        f"config error: --match={ROOT}/configs/tiny/{other}.yaml: its {target:.6g} FLOPs/token is out of reach"), err
+
+
 def test_flops_bad_option_is_one_line(capsys):
     from mode.cli import main
 
