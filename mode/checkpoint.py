@@ -266,7 +266,8 @@ def io_cause(e: BaseException, where: Path) -> str:
         probe = probe.parent
     free = shutil.disk_usage(probe).free if probe.exists() else None
     code = getattr(e, "errno", None)
-    if code == errno.ENOSPC or (free is not None and free < 64 << 20):
+    # torch's writer reports a full disk without an errno ("unexpected pos"): then the free space says it
+    if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
         return f"no space left on device ({free / 2**20:.1f} MiB free on the filesystem of {probe})"
     if code == errno.EROFS:
         return f"read-only file system ({probe})"

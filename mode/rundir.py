@@ -111,6 +111,8 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
     ancestor = d
     while not ancestor.exists():
         ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(key, run_dir, f"a directory path ({ancestor} is a file)")
     for p in (ancestor, checkpoints_dir(d), d / "tb"):
         if p.exists() and not os.access(p, os.W_OK):
             raise ConfigError(key, run_dir, f"a writable directory ({p} is read-only)")

@@ -50,6 +50,19 @@ def test_run_dir_never_empty_cwd_or_parent(tmp_path, monkeypatch, value):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
+def test_run_dir_below_a_file_is_refused_by_the_check(tmp_path):
+    """Bug caught: run.dir=FILE/sub passed the check (and --print-config); the start then died with
+    `error: NotADirectoryError` instead of a config error."""
+    from mode import rundir
+    from mode.config import ConfigError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    for value in ("notes.txt", "notes.txt/sub", "notes.txt/a/b"):
+        with pytest.raises(ConfigError, match=r"(is a file|this path is a file)"):
+            rundir.check(str(tmp_path / value), False)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_fresh_refuses_a_directory_mode_did_not_write(tmp_path):
     from mode import rundir
     from mode.config import ConfigError
@@ -348,6 +361,9 @@ def test_write_failures_name_the_cause():
     assert "no space left on device" in io_cause(OSError(errno.ENOSPC, "No space left on device"), Path("/tmp"))
     assert "read-only file system" in io_cause(OSError(errno.EROFS, "Read-only file system"), Path("/tmp"))
     assert "permission denied" in io_cause(PermissionError(errno.EACCES, "denied", "/x/ck"), Path("/tmp"))
+    # a filesystem with no free space that is not full (/proc): a missing directory is not a full disk
+    assert io_cause(FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/nope"), Path("/proc/nope")) \
+        == "FileNotFoundError: [Errno 2] No such file or directory: '/proc/nope'"
 
 
 def test_accumulator_state_round_trip_continues_the_same_sums():
