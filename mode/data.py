@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from mode.config import Config, ConfigError, DataConfig
-from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, count_tokens,  # noqa: F401
-                          prepare, prepared_path, read_manifest, stdlib_files)
+from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, check_place,  # noqa: F401
+                          count_tokens, prepare, prepared_path, read_manifest, stdlib_files)
 
 _M64 = (1 << 64) - 1
 
@@ -168,6 +168,7 @@ def check_data(cfg: Config, write: bool = True) -> Path:
     if write:
         path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)
     else:
+        check_place(cfg.data)
         path = prepared_path(cfg.data)
         manifest = read_manifest(path)
         if manifest is not None:

@@ -619,6 +619,14 @@ def _remove_ours(path: Path) -> None:
     shutil.rmtree(path)
 
 
+def check_place(cfg: DataConfig) -> None:
+    """data.prepared_dir can be a directory: no file on its path (else ConfigError, nothing written)."""
+    out = prepared_path(cfg)
+    base = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not base.is_dir():
+        raise ConfigError("data.prepared_dir", cfg.prepared_dir, f"a directory path ({base} is a file)")
+
+
 def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path:
     """Prepare the data of `cfg` unless a matching manifest exists; returns the prepared directory.
     Safe to call from every rank at once: the first takes the lock and prepares, the rest wait."""
@@ -631,6 +639,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
         # would check the manifest one at a time.
         check_manifest(cfg, out, manifest, tok)
         return out
+    check_place(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f"{out.name}.lock"):
         manifest = read_manifest(out)
