@@ -95,7 +95,8 @@ def measure_matmul_tflops(seconds: float = 0.3, n: int = 512, dtype=torch.float3
     on a shared machine lower it less."""
     import time
 
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # its own: a draw from the global RNG would shift training's
+    a, b = torch.randn(n, n, dtype=dtype, generator=g), torch.randn(n, n, dtype=dtype, generator=g)
     a @ b  # warm-up
     best, t_end = 0.0, time.perf_counter() + seconds
     while True:

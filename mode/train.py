@@ -191,8 +191,9 @@ class Trainer:
         self.step, self.tokens, self.elapsed_s, self.consecutive_bad = 0, 0, 0.0, 0
         self.prev_cfg = saved
         self.acc = Accumulator()  # metric sums not yet logged: checkpointed so the series survives a resume
-        self._resume()
+        # measured before the resume restores the RNG states: nothing may draw from them in between
         self.peak_tflops, peak_src = self._peak_tflops()
+        self._resume()
         self.log = Loggers(cfg, self.run_dir, self.rank == 0)
         if self.rank == 0:
             params = sum(p.numel() for p in self.model.parameters())
