@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -36,6 +37,8 @@ ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing
              "report"}  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
+RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes
+STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad)?$")  # mode/checkpoint.py's names in checkpoints/
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
 # Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next analyze.
@@ -51,9 +54,37 @@ def foreign_entries(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if p.name not in ARTEFACTS)
 
 
+def _signature(p: Path) -> bool | None:
+    """Does the SIGNATURE entry `p` hold what mode writes there (True), something else (False), or
+    nothing yet (None: an empty directory)? The name alone is no proof: another tool's experiment
+    folder may have its own checkpoints/ or tb/ beside a config.yaml, which run.fresh would delete."""
+    if p.is_dir() and p.name in (CHECKPOINTS, "tb"):
+        entries = list(p.iterdir())
+        if not entries:
+            return None
+        if p.name == CHECKPOINTS:  # step_NNNNNNNN directories, being written (.tmp) or moved aside (.bad)
+            return all(STEP_ENTRY.match(e.name) and e.is_dir() for e in entries)
+        # TensorBoard event files: consistent with a run, but any TensorBoard user writes them
+        return None if all(e.name.startswith("events.out.tfevents.") for e in entries) else False
+    try:
+        text = p.read_text() if p.is_file() else None
+        data = json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return False
+    if text is None or not isinstance(data, dict):
+        return False
+    if p.name == LOCK:  # emptied when its holder released it, else the holder's pid/host/start
+        return not data or {"pid", "host"} <= data.keys()
+    return bool(RUN_INFO_KEYS & data.keys())  # run_info.json
+
+
 def is_mode_run(d: Path) -> bool:
-    """Every entry is something `mode` writes, and at least one only a run writes."""
-    return d.is_dir() and not foreign_entries(d) and any((d / s).exists() for s in SIGNATURES)
+    """Every entry is something `mode` writes, one only a run writes proves it (a run's LOCK, its
+    run_info.json or its step checkpoints), and none of those holds anything else."""
+    if not d.is_dir() or foreign_entries(d):
+        return False
+    found = [_signature(d / s) for s in SIGNATURES if (d / s).exists()]
+    return True in found and False not in found
 
 
 def check_place(path: str, key: str = "run.dir") -> Path:
@@ -103,9 +134,9 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
                                             f"mode did not write, so it will not {what} it")
         entries = sorted(p.name for p in d.iterdir() if p.name != JOB_LOGS)
         if entries and not is_mode_run(d):  # e.g. the user's own config.yaml, which a start would overwrite
-            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(entries)} but does "
-                                            "not look like a mode run (no checkpoints/, tb/, run_info.json or LOCK), "
-                                            f"so it will not {what} it")
+            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(entries)} but is "
+                                            "not a mode run (no LOCK, run_info.json or step_N checkpoints as mode "
+                                            f"writes them), so it will not {what} it")
         if lock:
             check_lock(d, key)
     ancestor = d

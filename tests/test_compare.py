@@ -477,7 +477,7 @@ def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
     def finished_run(exp, run, env):  # what a trainer leaves: config, run info, DONE
         run.dir.mkdir(parents=True)
         (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
-        (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed}))
+        (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed, "world_size": 1}))
         (run.dir / "DONE").write_text("{}")
         return 0
 

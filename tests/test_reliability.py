@@ -131,9 +131,40 @@ def test_a_directory_that_is_not_a_run_is_never_written_or_emptied(tmp_path, mon
         assert main(["train", "--print-config", "--config", str(cfg), *TINY, f"run.dir={exp}", *fresh]) == 2
         lines = one_line(capsys.readouterr().err)
         assert len(lines) == 1 and lines[0].startswith(f"config error: run.dir={str(exp)!r}"), lines
-        assert f"holds {entry} but does not look like a mode run" in lines[0], lines
+        assert f"holds {entry} but is not a mode run" in lines[0], lines
     assert sorted(p.name for p in exp.rglob("*")) == sorted([entry] + (["results.json"] if entry == "eval" else []))
     assert next(p for p in exp.rglob("*") if p.is_file()).read_text() == mine
+
+
+@pytest.mark.parametrize("layout", ["lightning", "tensorboard", "tmp_in_checkpoints"])
+def test_another_tools_experiment_folder_is_not_a_run(tmp_path, layout):
+    """Bug caught: a folder holding a `checkpoints/` (or `tb/`) beside a `config.yaml` had only names
+    mode writes, so it counted as a run: run.fresh=true deleted another tool's checkpoints and config,
+    and every save deleted any `*.tmp` directory inside checkpoints/. A name is no proof: a run's
+    LOCK, run_info.json or step_N checkpoints are."""
+    from mode import checkpoint as ckpt
+    from mode import rundir
+    from mode.config import ConfigError
+
+    exp = tmp_path / "exp"
+    (exp / "checkpoints").mkdir(parents=True)
+    (exp / "config.yaml").write_text("lr: 0.1\n")
+    if layout == "lightning":
+        (exp / "checkpoints" / "epoch=9.ckpt").write_text("weights")
+    elif layout == "tensorboard":
+        (exp / "tb").mkdir()
+        (exp / "tb" / "events.out.tfevents.1.host.1.0").write_text("their events")
+    else:  # a run of mode's, with a user's directory inside checkpoints/
+        (exp / "checkpoints" / "old.tmp").mkdir()
+        (exp / "checkpoints" / "old.tmp" / "important.txt").write_text("mine")
+        (exp / "checkpoints" / "step_00000002.tmp").mkdir()  # a save of ours cut short
+        ckpt.rotate(exp / "checkpoints", keep=1)
+        assert sorted(p.name for p in (exp / "checkpoints").iterdir()) == ["old.tmp"]
+    before = sorted((p.relative_to(exp), p.read_text() if p.is_file() else None) for p in exp.rglob("*"))
+    for fresh in (True, False):
+        with pytest.raises(ConfigError, match="is not a mode run"):
+            rundir.check(str(exp), fresh)
+    assert sorted((p.relative_to(exp), p.read_text() if p.is_file() else None) for p in exp.rglob("*")) == before
 
 
 def test_fresh_keeps_the_live_slurm_log_and_a_slurm_only_directory_starts(tmp_path):
@@ -149,7 +180,7 @@ def test_fresh_keeps_the_live_slurm_log_and_a_slurm_only_directory_starts(tmp_pa
     assert not rundir.is_mode_run(run)  # and nothing to empty
     (run / "checkpoints").mkdir()
     (run / "config.yaml").write_text("model: {}\n")
-    (run / "run_info.json").write_text("{}")
+    (run / "run_info.json").write_text('{"world_size": 1}')
     assert rundir.is_mode_run(run)
     lock = rundir.DirLock(run)
     rundir.check(str(run), True, lock=False)
@@ -545,6 +576,7 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
     moe = ["model.moe.layers=every", "model.moe.num_experts=2", f"run.dir={d}"]
     d.mkdir()
     (d / "tb").mkdir()
+    (d / "LOCK").write_text("")  # a run that ended (its lock released)
     (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
     with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
         check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
