@@ -201,8 +201,9 @@ def resume_point(root: Path, rank: int) -> Path | None:
         dist.broadcast_object_list(found, src=0)
     if found[0] in (None, "None"):
         if found[1]:
-            raise ConfigError("run.fresh", False, f"true to start over: no checkpoint in {root} verifies (each "
-                                                  "was moved aside as step_N.bad and kept), nothing to resume from")
+            raise ConfigError("run.fresh", False, f"true to start over (it deletes checkpoints/; move it away "
+                                                  f"first to keep it): no checkpoint in {root} verifies (each was "
+                                                  "moved aside as step_N.bad and kept), nothing to resume from")
         return None
     return Path(found[0])
 

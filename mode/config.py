@@ -275,6 +275,7 @@ class DataConfig:
         _check(self.seq_len >= 2, "data.seq_len", self.seq_len, ">= 2")
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "in (0, 1)")
         _check(self.max_documents >= 0, "data.max_documents", self.max_documents, ">= 0")
+        _check(0 <= self.split_seed < 2**32, "data.split_seed", self.split_seed, "an integer in [0, 2**32)")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 (0 = the machine's cores)")
         _check(self.shard_tokens >= 1, "data.shard_tokens", self.shard_tokens, ">= 1")
         _check(bool(self.prepared_dir), "data.prepared_dir", self.prepared_dir, "a directory path")
@@ -332,6 +333,7 @@ class TrainConfig:
                      "max_consecutive_nonfinite"):
             _check(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), ">= 1")
         _check(self.stop_at >= 0, "train.stop_at", self.stop_at, ">= 0")
+        _check(0 <= self.seed < 2**32, "train.seed", self.seed, "an integer in [0, 2**32)")  # seeds torch and numpy
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.nonfinite in ("skip", "stop"), "train.nonfinite", self.nonfinite, "skip or stop")
         _check(self.activation_checkpointing in ("none", "block"), "train.activation_checkpointing",

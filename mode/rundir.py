@@ -34,7 +34,8 @@ LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
-             "report"}  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
+             "report",  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
+             ".config.yaml.tmp", ".run_info.json.tmp"}  # write_atomic's, left by a crash mid-write
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes
@@ -43,6 +44,17 @@ STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad)?$")  # mode/checkpoint.py's n
 JOB_LOGS = "slurm"
 # Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next analyze.
 REPORT = "report"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` whole or not at all (a crash mid-write of config.yaml would leave the run
+    unresumable): write `.<name>.tmp` beside it, fsync, rename over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _is_within(a: Path, b: Path) -> bool:

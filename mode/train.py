@@ -69,13 +69,19 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         old = e
     if not isinstance(old, dict):
         what = "empty" if old is None else "not a readable config"
+        n = len(ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)))
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml is {what}, so the run cannot be "
-                          "resumed; pass run.fresh=true to start over or use another run.dir")
+                          f"resumed; write back the config it was started with ({n} checkpoints wait for it; its "
+                          "TensorBoard TEXT tab holds a copy), or use another run.dir (run.fresh=true deletes them)")
     diff = config_diff(old, cfg.to_dict())
     sched = schedule_diff(old, cfg.to_dict())
     if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
+    if (Path(cfg.run.dir) / "DONE").exists() and not ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)):
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (its "
+                          "checkpoints/ was removed?): a start would train it again from step 0 beside its logs; "
+                          "pass run.fresh=true to retrain it or use another run.dir")
     if sched and not cfg.train.allow_schedule_change and ckpt.latest_step(cfg.run.dir) is not None:
         key, (was, now) = next(iter(sched.items()))
         raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
@@ -131,7 +137,11 @@ def check_world(cfg: Config, world: int) -> None:
     info = Path(cfg.run.dir) / "run_info.json"
     if cfg.run.fresh or not info.exists() or ckpt.latest_step(cfg.run.dir) is None:
         return
-    saved = json.loads(info.read_text()).get("world_size", world)
+    try:
+        saved = json.loads(info.read_text()).get("world_size", world)
+    except (ValueError, AttributeError):
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its run_info.json is damaged (not a JSON object); "
+                          "delete it (the next start writes it again) and start again") from None
     if saved != world:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
                           f"has world size {world}: resume it with {saved} process(es), or start over with "
@@ -176,7 +186,7 @@ class Trainer:
             self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
             if cfg.run.fresh and was_run:  # preflight refused any other non-empty directory
                 rundir.empty_run_dir(self.run_dir)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            rundir.write_atomic(self.run_dir / "config.yaml", dump_config(cfg))
         self._barrier()
         self.ckpt_dir = ckpt.checkpoints_dir(self.run_dir)
 
@@ -202,7 +212,7 @@ class Trainer:
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
-            (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=1))
+            rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, peak_src),
                                       self.step), flush=True)

@@ -73,6 +73,8 @@ OVERRIDES = [
     ("train.nonfinite=ignore", ["train.nonfinite=ignore"]),
     ("train.max_consecutive_nonfinite=0", ["train.max_consecutive_nonfinite=0"]),
     ("train.seed=abc", ["train.seed=abc"]),
+    *[(f"train.seed={v}", [f"train.seed={v}"]) for v in ("-1", "9223372036854775808")],  # failed after writing run.dir
+    ("data.split_seed=-1", ["data.split_seed=-1"]),
     *[(f"optim.lr={v}", [f"optim.lr={v}"]) for v in ("0", "-1", ".inf", ".nan", "1e999")],
     *[(f"optim.min_lr_ratio={v}", [f"optim.min_lr_ratio={v}"]) for v in ("2", "-0.5")],
     ("optim.warmup_steps=-1", ["optim.warmup_steps=-1"]),

@@ -295,6 +295,26 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, h
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad"]
 
 
+def test_config_and_run_info_are_replaced_whole(tmp_path, monkeypatch):
+    """Bug caught: config.yaml was rewritten in place at every start, so a crash mid-write left it
+    empty and the run unresumable (the message then sent the user to run.fresh=true, which deletes
+    the checkpoints). A write that fails now leaves the old file whole, and the run still a run."""
+    from mode import rundir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "LOCK").write_text("")
+    rundir.write_atomic(run / "config.yaml", "model: {d_model: 32}\n")
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        rundir.write_atomic(run / "config.yaml", "model: {d_model: 64}\n" * 1000)  # the crash, mid-write
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert (run / "config.yaml").read_text() == "model: {d_model: 32}\n"
+    assert rundir.is_mode_run(run)  # the leftover .config.yaml.tmp is the run's, not a foreign entry
+    rundir.check(str(run), False, lock=False)
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(tmp_path):
     """Bug caught: with every checkpoint unusable the run silently restarted from step 0 in its own
     directory (a second series of the same steps in its logs), each damaged one reported as "falling
@@ -308,7 +328,8 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(tmp_pa
     lines = []
     assert ckpt.newest_verified(root, log=lines.append) is None
     assert "falling back" in lines[0] and "no earlier one is left" in lines[1], lines
-    with pytest.raises(ConfigError, match=r"^config error: run.fresh=False: true to start over: no checkpoint in "):
+    with pytest.raises(ConfigError, match=r"^config error: run.fresh=False: true to start over \(it deletes "
+                                          r"checkpoints/; move it away first to keep it\): no checkpoint in "):
         ckpt.resume_point(root, 0)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002.bad", "step_00000004.bad"]  # kept
     assert ckpt.resume_point(tmp_path / "none", 0) is None  # a new run has nothing to resume: no error
@@ -580,6 +601,38 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
     (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
     with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
         check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
+
+
+def test_a_finished_run_without_checkpoints_is_not_silently_retrained(tmp_path):
+    """Bug caught: a finished run whose checkpoints/ was removed (to save disk) trained again from
+    step 0 on the same command, appending a second series to its metrics and TensorBoard logs."""
+    from mode.config import ConfigError, dump_config, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "LOCK").write_text("")
+    cfg = load_config(CFG, [*TINY, f"run.dir={d}"])
+    (d / "config.yaml").write_text(dump_config(cfg))
+    check_run_dir(cfg)  # a run that never reached a checkpoint starts (again)
+    (d / "DONE").write_text("{}")
+    with pytest.raises(ConfigError, match=r"finished \(DONE\) but holds no checkpoint .* pass run.fresh=true"):
+        check_run_dir(cfg)
+    check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "run.fresh=true"]))  # fresh retrains
+
+
+def test_a_damaged_run_info_is_one_line_naming_it(tmp_path):
+    """Bug caught: an empty run_info.json stopped the start with `error: JSONDecodeError: Expecting
+    value`, naming neither the file nor what to do."""
+    from mode.config import ConfigError, load_config
+    from mode.train import check_world
+
+    d = tmp_path / "run"
+    (d / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (d / "checkpoints" / "step_00000002" / "MANIFEST.json").write_text("{}")
+    (d / "run_info.json").write_text("")
+    with pytest.raises(ConfigError, match="its run_info.json is damaged"):
+        check_world(load_config(CFG, [*TINY, f"run.dir={d}"]), 1)
 
 
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
