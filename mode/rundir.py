@@ -233,8 +233,11 @@ class DirLock:
 
     def release(self) -> None:
         if getattr(self, "f", None) is not None and not self.f.closed:
-            self.f.truncate(0)
-            self.f.flush()
+            try:
+                self.f.truncate(0)
+                self.f.flush()
+            except OSError:  # a full or read-only disk: the holder's line stays, its flock goes below
+                pass
             self.f.close()  # closing the descriptor drops the flock
 
     def __del__(self):

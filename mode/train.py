@@ -127,6 +127,9 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
     check_loggers(cfg)
     check_build_locks()
     saved = check_run_dir(cfg, lock)  # before the data: a refused run.dir must not wait for (or write) a prepare
+    prepared, run = Path(cfg.data.prepared_dir).expanduser().resolve(), Path(cfg.run.dir).expanduser().resolve()
+    if prepared == run or run in prepared.parents:  # the start would refuse the run it prepared into
+        raise ConfigError("data.prepared_dir", cfg.data.prepared_dir, f"a directory outside run.dir ({cfg.run.dir})")
     check_data(cfg, write=prepare_data)
     return saved
 

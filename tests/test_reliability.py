@@ -621,6 +621,19 @@ def test_a_finished_run_without_checkpoints_is_not_silently_retrained(tmp_path):
     check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "run.fresh=true"]))  # fresh retrains
 
 
+def test_prepared_data_inside_the_run_dir_is_refused_before_preparing(tmp_path, capsys):
+    """Bug caught: data.prepared_dir inside run.dir prepared the data there, then the start refused
+    its own run directory ("holds data, which mode did not write")."""
+    from mode.train import main
+
+    run = tmp_path / "run"
+    for prepared in (run / "data", run):
+        assert main(["--config", str(ROOT / CFG), *TINY, f"run.dir={run}", f"data.prepared_dir={prepared}"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"config error: data.prepared_dir={str(prepared)!r}: a directory outside run.dir ({run})"]
+    assert not run.exists()
+
+
 def test_a_damaged_run_info_is_one_line_naming_it(tmp_path):
     """Bug caught: an empty run_info.json stopped the start with `error: JSONDecodeError: Expecting
     value`, naming neither the file nor what to do."""
