@@ -73,7 +73,7 @@ class ModConfig:
     layers: LayerSpec = "none"
     """Blocks wrapped in depth routing: `none`, `every`, `every_other` (layers 1, 3, ...), or a list of layer indices."""
     capacity: Capacity = 0.125
-    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)); in (0, 1]. A list gives one value per routed layer (a per-layer schedule)."""
+    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)), Python's round (a half goes to the even integer: 0.125 * 20 -> 2); in (0, 1]. A list gives one value per routed layer (a per-layer schedule)."""
     decoupled: bool = False
     """Route attention and MLP separately, each with its own router and capacity (attn_capacity, mlp_capacity) instead of the whole block."""
     attn_capacity: Optional[Capacity] = None
