@@ -146,7 +146,7 @@ def open_prepared(cfg: DataConfig, progress: bool = False, raise_limit: bool = F
     """(directory, manifest) of the prepared data for `cfg` (prepared now if missing), checked
     against the config and the open-file limit (raised for the reader: `room_for_shards`)."""
     path = prepare(cfg, progress=progress)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, cfg)
     if manifest is None:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                           f"prepared data at {path} (run `mode data prepare --config F` first)")
@@ -170,7 +170,7 @@ def check_data(cfg: Config, write: bool = True) -> Path:
     else:
         check_place(cfg.data)
         path = prepared_path(cfg.data)
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, cfg.data)  # a damaged manifest: the same line as training
         if manifest is not None:
             check_manifest(cfg.data, path, manifest, tok)
     tokens = ({split: manifest["splits"][split]["tokens"] for split in ("train", "val")} if manifest is not None

@@ -497,13 +497,87 @@ def prepared_path(cfg: DataConfig) -> Path:
     return Path(cfg.prepared_dir).expanduser() / f"{slug(cfg.source)}-{slug(cfg.tokenizer)}-{h}"
 
 
-def read_manifest(path: Path) -> dict | None:
+REBUILD = "rebuild it with `mode data prepare --config F --force` (it replaces only that directory)"
+
+
+def damaged(key_value: str, path: Path, why: str) -> ConfigError:
+    """The one line for a prepared directory that cannot be used as it is (`key_value`: data.prepared_dir)."""
+    return ConfigError("data.prepared_dir", key_value, f"{path} is damaged ({why}); {REBUILD}")
+
+
+def _is_int(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _is_name(v) -> bool:
+    """A plain file name: a manifest never points outside its directory."""
+    return isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v and "\0" not in v
+
+
+def manifest_problem(m) -> str | None:
+    """What makes a parsed manifest unusable: a missing key, a wrong type, shards that do not add up
+    to their split's counts, a file name outside the directory; None when its structure is sound."""
+    if not isinstance(m, dict):
+        return f"a JSON object expected, found {type(m).__name__}"
+    want = {"format": str, "tokenizer": dict, "vocab_size": int, "eos_id": int, "dtype": str, "data": dict,
+            "splits": dict, "fingerprint": list, "tokens_per_s": (int, float)}
+    for k, t in want.items():
+        if k not in m:
+            return f"no {k!r}"
+        if not isinstance(m[k], t) or isinstance(m[k], bool):
+            return f"{k!r} is {type(m[k]).__name__}"
+    if m["dtype"] not in ("uint16", "uint32"):
+        return f"dtype {m['dtype']!r}, expected 'uint16' or 'uint32'"
+    if not _is_int(m["vocab_size"], 1) or not _is_int(m["eos_id"]) or m["eos_id"] >= m["vocab_size"]:
+        return f"vocab_size {m['vocab_size']!r} / eos_id {m['eos_id']!r}"
+    if not all(isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and _is_int(f[1])
+               and _is_int(f[2], -(1 << 63)) for f in m["fingerprint"]):
+        return "'fingerprint' is not a list of [path, size, mtime_ns]"
+    for split in ("train", "val"):
+        sp = m["splits"].get(split)
+        if not isinstance(sp, dict):
+            return f"no split {split!r}"
+        for k in ("tokens", "documents", "bytes", "shards"):
+            if k not in sp:
+                return f"no {split} {k!r}"
+            if not (isinstance(sp[k], list) if k == "shards" else _is_int(sp[k])):
+                return f"{split} {k!r} is {str(sp[k])[:60]}"
+        for i, s in enumerate(sp["shards"]):
+            if not (isinstance(s, dict) and _is_name(s.get("file")) and _is_name(s.get("docs"))
+                    and ("doc_bytes" not in s or _is_name(s["doc_bytes"]))
+                    and _is_int(s.get("tokens"), 1) and _is_int(s.get("documents"), 1)):
+                return f"{split} shard {i} is not {{file, docs, [doc_bytes,] tokens, documents}}: {str(s)[:120]}"
+        for k in ("tokens", "documents"):
+            total = sum(s[k] for s in sp["shards"])
+            if total != sp[k]:
+                return f"{split} shards hold {total} {k}, the split says {sp[k]}"
+    return None
+
+
+def read_manifest(path: Path, cfg: DataConfig | None = None) -> dict | None:
+    """The manifest of a prepared directory (None when it has none). One that cannot be read, is not
+    JSON, or lacks a key the readers use is a ConfigError naming it (`mode data prepare --force`
+    replaces it: the manifest file marks the directory as this module's)."""
     f = Path(path) / MANIFEST
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        m = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        why = f"not readable JSON: {_first_line(e)}"
+    else:
+        why = manifest_problem(m)
+        if why is None:
+            return m
+    raise damaged(cfg.prepared_dir if cfg is not None else str(Path(path).parent), path, f"{MANIFEST}: {why}")
 
 
 def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
-    """Refuse prepared data that no longer matches the config, the tokenizer or the source files."""
+    """Refuse prepared data that no longer matches the config, the tokenizer or the source files,
+    or whose manifest is malformed."""
+    why = manifest_problem(manifest)
+    if why is not None:
+        raise damaged(cfg.prepared_dir, path, f"{MANIFEST}: {why}")
     why = []
     if manifest.get("format") != FORMAT:
         why.append(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
@@ -524,8 +598,7 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
             break
     if why:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
-                          f"{path} is stale ({'; '.join(why[:4])}); rebuild it with "
-                          "`mode data prepare --config F --force` (it replaces only that directory)")
+                          f"{path} is stale ({'; '.join(why[:4])}); {REBUILD}")
 
 
 NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # e.g. Lustre mounted without -o flock, NFS without lockd
@@ -632,28 +705,30 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
     Safe to call from every rank at once: the first takes the lock and prepares, the rest wait."""
     tok = build_tokenizer(cfg)
     out = prepared_path(cfg)
-    manifest = read_manifest(out)
-    if manifest is not None and not force:
-        # Prepared already: no lock. A manifest exists only in a complete directory (it is renamed
-        # into place whole), and every rank of a job comes here at start-up: through the lock they
-        # would check the manifest one at a time.
-        check_manifest(cfg, out, manifest, tok)
-        return out
+    if not force:
+        manifest = read_manifest(out, cfg)
+        if manifest is not None:
+            # Prepared already: no lock. A manifest exists only in a complete directory (it is renamed
+            # into place whole), and every rank of a job comes here at start-up: through the lock they
+            # would check the manifest one at a time.
+            check_manifest(cfg, out, manifest, tok)
+            return out
     check_place(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f"{out.name}.lock"):
-        manifest = read_manifest(out)
-        if manifest is not None:
-            try:
+        try:
+            manifest = read_manifest(out, cfg)
+            if manifest is not None:
                 check_manifest(cfg, out, manifest, tok)
                 return out
-            except ConfigError:
-                if not force:
-                    raise
+        except ConfigError:  # stale or damaged (its manifest file makes the directory ours)
+            if not force:
+                raise
             _remove_ours(out)
-        elif out.exists():
-            raise ConfigError("data.prepared_dir", cfg.prepared_dir,
-                              f"a directory mode can manage; {out} exists without a manifest: move it away")
+        else:
+            if out.exists():
+                raise ConfigError("data.prepared_dir", cfg.prepared_dir,
+                                  f"a directory mode can manage; {out} exists without a manifest: move it away")
         tmp = out.parent / f"{out.name}.tmp"
         if tmp.exists() and not (tmp / MARKER).is_file():
             _remove_ours(tmp)  # refuses: not ours

@@ -605,6 +605,93 @@ def test_embedded_default_corpus_exists(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# Damaged prepared data: a manifest that is not what mode writes is one `config error:` line
+# (rebuild with --force) at every open, --print-config included.
+
+
+def _several_shards(corpus, tmp_path, monkeypatch):
+    """(the tiny training arguments, their config) over the corpus in several shards per split."""
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=2))  # a shard per ~200 tokens
+    common = ["--config", str(ROOT / "configs/tiny/dense.yaml"), *TINY, f"data.source={corpus / 'docs.parquet'}",
+              f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1", "data.max_documents=0",
+              "data.shard_tokens=200", "data.seq_len=16"]
+    return common, load_config(common[1], common[2:])
+
+
+def _one_config_line(main, argv, capsys) -> str:
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: data.prepared_dir=") and not out, err
+    return lines[0]
+
+
+def test_a_malformed_manifest_is_one_config_error_and_force_rebuilds_it(corpus, tmp_path, monkeypatch, capsys):
+    """Bug caught: a manifest.json that is valid JSON but lacks a key or has a wrong type stopped the
+    start with `KeyError: 'bytes'` / `AttributeError` tracebacks (--print-config passed some), and
+    `mode data prepare --force` kept it (its check compared only a few keys). Now one config error
+    naming the manifest; --force replaces the directory (its manifest file makes it mode's), while
+    a directory mode did not write is still never deleted."""
+    from mode.train import main
+
+    common, cfg = _several_shards(corpus, tmp_path, monkeypatch)
+    path = check_data(cfg)
+    good = (path / "manifest.json").read_text()
+    splits = json.loads(good)["splits"]
+
+    def edit(change):
+        m = json.loads(good)
+        change(m)
+        return json.dumps(m)
+
+    cases = [
+        (edit(lambda m: m["splits"]["train"].pop("bytes")), "no train 'bytes'"),
+        (edit(lambda m: m.update(splits=[])), "'splits' is list"),
+        (edit(lambda m: m.pop("dtype")), "no 'dtype'"),
+        (edit(lambda m: m.update(dtype="float64")), "dtype 'float64'"),
+        (edit(lambda m: m.update(tokenizer="byte")), "'tokenizer' is str"),
+        (edit(lambda m: m.update(fingerprint=[["a.txt", 3]])), "'fingerprint' is not a list of"),
+        (edit(lambda m: m["splits"]["val"]["shards"][0].update(tokens="12")), "val shard 0 is not"),
+        (edit(lambda m: m["splits"]["train"]["shards"][1].pop("docs")), "train shard 1 is not"),
+        (edit(lambda m: m["splits"]["train"]["shards"][0].update(file="../../etc/passwd")), "train shard 0 is not"),
+        (edit(lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] * 100)),
+         "train shards hold"),
+        ("[]", "a JSON object expected, found list"),
+        (good[:len(good) // 2], "not readable JSON: JSONDecodeError"),
+    ]
+    for text, needle in cases:
+        (path / "manifest.json").write_text(text)
+        for write in (True, False):
+            with pytest.raises(ConfigError) as e:
+                check_data(cfg, write=write)
+            msg = str(e.value)
+            assert msg.startswith(f"config error: data.prepared_dir='{tmp_path / 'p'}': {path} is damaged "
+                                  f"(manifest.json: {needle}"), msg
+            assert "`mode data prepare --config F --force`" in msg, msg
+        with pytest.raises(ConfigError, match="is damaged"):
+            DataModule(cfg.data)
+        with pytest.raises(ConfigError, match="is damaged"):
+            prep.prepare(cfg.data, progress=False)
+        assert prep.prepare(cfg.data, force=True, progress=False) == path
+        assert prep.read_manifest(path)["splits"] == splits
+        check_data(cfg)
+    (path / "manifest.json").write_text(cases[0][0])  # through `mode train`: one line, no run.dir
+    line = _one_config_line(main, [*common, f"run.dir={tmp_path / 'run'}"], capsys)
+    assert "is damaged (manifest.json: no train 'bytes')" in line and not (tmp_path / "run").exists()
+    # a directory mode did not write (no manifest, no marker) is never deleted, --force or not
+    import shutil
+
+    shutil.rmtree(path)
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="exists without a manifest: move it away"):
+        prep.prepare(cfg.data, force=True, progress=False)
+    assert (path / "notes.txt").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------------------------
 # Bad input: one `config error:` line, exit 2, nothing in run.dir; then the corrected command runs.
 
 
@@ -840,3 +927,4 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
     assert ma["splits"] == mb["splits"] and ma["splits"]["train"]["tokens"] > 5_000_000
     assert ma["resumed"] and not mb["resumed"]
     assert {f: (a.parent / f).stat().st_ino for f in kept} == kept  # complete shards were kept, not rewritten
+
