@@ -24,7 +24,7 @@ import torch
 
 from mode.config import Config, ConfigError, DataConfig
 from mode.prepare import (ByteTokenizer, HFTokenizer, build_tokenizer, check_manifest, check_place,  # noqa: F401
-                          count_tokens, prepare, prepared_path, read_manifest, stdlib_files)
+                          count_tokens, damaged, prepare, prepared_path, read_manifest, stdlib_files)
 
 _M64 = (1 << 64) - 1
 
@@ -70,13 +70,21 @@ def permute(idx, n: int, seed: int) -> np.ndarray:
 class TokenSplit:
     """One split's shards as a single token stream, read through np.memmap."""
 
-    def __init__(self, root: Path, meta: dict, dtype: str):
+    def __init__(self, root: Path, meta: dict, dtype: str, prepared_dir: str | None = None):
         self.root, self.shards = root, meta["shards"]
-        self.memmaps = [np.memmap(root / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
-        for m in self.memmaps:
+        self.memmaps = []
+        for s in self.shards:  # check_manifest compared the sizes at the open; a file cut since then stops here
+            try:
+                m = np.memmap(root / s["file"], dtype=dtype, mode="r")
+            except (OSError, ValueError) as e:  # missing, or emptied (mmap refuses an empty file)
+                raise damaged(prepared_dir or str(root.parent), root, f"{s['file']}: {type(e).__name__}") from None
+            if len(m) != s["tokens"]:
+                raise damaged(prepared_dir or str(root.parent), root, f"{s['file']} holds {len(m):,} tokens, the "
+                              f"manifest says {s['tokens']:,}")
             m._mmap.madvise(mmap.MADV_RANDOM)  # windows are read in random order: no readahead
+            self.memmaps.append(m)
         self.maps = [m.view(np.ndarray) for m in self.memmaps]  # plain views: slicing skips memmap's bookkeeping
-        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+        self.starts = np.cumsum([0] + [s["tokens"] for s in self.shards])  # the manifest's counts, verified above
         self.n_tokens = int(self.starts[-1])
         self.n_bytes, self.n_documents = meta["bytes"], meta["documents"]
 
@@ -170,7 +178,7 @@ def check_data(cfg: Config, write: bool = True) -> Path:
     else:
         check_place(cfg.data)
         path = prepared_path(cfg.data)
-        manifest = read_manifest(path, cfg.data)  # a damaged manifest: the same line as training
+        manifest = read_manifest(path, cfg.data)  # a damaged manifest or shard: the same line as training
         if manifest is not None:
             check_manifest(cfg.data, path, manifest, tok)
     tokens = ({split: manifest["splits"][split]["tokens"] for split in ("train", "val")} if manifest is not None
@@ -188,8 +196,8 @@ class DataModule:
         self.tokenizer = build_tokenizer(cfg)
         self.path, self.manifest = open_prepared(cfg, raise_limit=True)
         dtype = self.manifest["dtype"]
-        self.train = TokenSplit(self.path, self.manifest["splits"]["train"], dtype)
-        self.val = TokenSplit(self.path, self.manifest["splits"]["val"], dtype)
+        self.train = TokenSplit(self.path, self.manifest["splits"]["train"], dtype, cfg.prepared_dir)
+        self.val = TokenSplit(self.path, self.manifest["splits"]["val"], dtype, cfg.prepared_dir)
         S = cfg.seq_len
         self.n_train, self.n_val = self.train.n_windows(S), self.val.n_windows(S)
         if min(self.n_train, self.n_val) < 1:

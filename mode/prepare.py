@@ -572,9 +572,47 @@ def read_manifest(path: Path, cfg: DataConfig | None = None) -> dict | None:
     raise damaged(cfg.prepared_dir if cfg is not None else str(Path(path).parent), path, f"{MANIFEST}: {why}")
 
 
+def _size_problem(f: Path, want: int) -> str | None:
+    try:
+        size = f.stat().st_size
+    except FileNotFoundError:
+        return f"{f.name} is missing"
+    return None if size == want else f"{f.name} is {size:,} bytes, the manifest says {want:,}"
+
+
+def _npy_problem(f: Path, documents: int) -> str | None:
+    """A .npy file as long as its header and the manifest's `documents` 8-byte entries make it (the
+    header's length is read from its first bytes; neither the header nor the data is parsed)."""
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(12)
+            size = os.fstat(fh.fileno()).st_size
+    except FileNotFoundError:
+        return f"{f.name} is missing"
+    except OSError as e:
+        return f"{f.name} is unreadable ({_first_line(e)})"
+    if len(head) < 10 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2, 3):
+        return f"{f.name} is not a .npy file"
+    offset = 10 + int.from_bytes(head[8:10], "little") if head[6] == 1 else 12 + int.from_bytes(head[8:12], "little")
+    want = offset + 8 * documents
+    return None if size == want else f"{f.name} is {size:,} bytes, the manifest says {want:,}"
+
+
+def damaged_files(path: Path, manifest: dict) -> list[str]:
+    """Every shard file, document-boundary and document-bytes array whose size is not what the
+    manifest says, or that is missing (a stat, and 12 bytes of each .npy: cheap at every start)."""
+    item = np.dtype(manifest["dtype"]).itemsize
+    bad = []
+    for split in ("train", "val"):
+        for s in manifest["splits"][split]["shards"]:
+            bad.append(_size_problem(path / s["file"], s["tokens"] * item))
+            bad += [_npy_problem(path / s[k], s["documents"]) for k in ("docs", "doc_bytes") if k in s]
+    return [b for b in bad if b]
+
+
 def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     """Refuse prepared data that no longer matches the config, the tokenizer or the source files,
-    or whose manifest is malformed."""
+    or whose files are not what the manifest says (a truncated or missing shard)."""
     why = manifest_problem(manifest)
     if why is not None:
         raise damaged(cfg.prepared_dir, path, f"{MANIFEST}: {why}")
@@ -599,6 +637,10 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     if why:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                           f"{path} is stale ({'; '.join(why[:4])}); {REBUILD}")
+    bad = damaged_files(path, manifest)
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise damaged(cfg.prepared_dir, path, "; ".join(bad[:3]) + more)
 
 
 NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # e.g. Lustre mounted without -o flock, NFS without lockd

@@ -3,6 +3,7 @@ tokenizers, bits per byte, and every bad input stopping in one line before anyth
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -605,8 +606,8 @@ def test_embedded_default_corpus_exists(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Damaged prepared data: a manifest that is not what mode writes is one `config error:` line
-# (rebuild with --force) at every open, --print-config included.
+# Damaged prepared data: the manifest says what every file holds; a file or a manifest that is not
+# that is one `config error:` line (rebuild with --force) at every open, --print-config included.
 
 
 def _several_shards(corpus, tmp_path, monkeypatch):
@@ -626,6 +627,60 @@ def _one_config_line(main, argv, capsys) -> str:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: data.prepared_dir=") and not out, err
     return lines[0]
+
+
+def test_a_cut_or_missing_shard_file_is_one_config_error_and_force_rebuilds_it(corpus, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Bug caught: a split's token counts came from its shard files' sizes, not from the manifest:
+    the audit cut `train_00000.bin` from 8.8 MB to 100 KB and training ran and exited 0 on ~1% of
+    the corpus. Every shard, document-boundary and document-bytes file is compared with the manifest
+    when prepared data is opened (training, `--print-config`, `mode data prepare`)."""
+    from mode.data import TokenSplit
+    from mode.train import main
+
+    common, cfg = _several_shards(corpus, tmp_path, monkeypatch)
+    path = check_data(cfg)
+    m = prep.read_manifest(path)
+    assert len(m["splits"]["train"]["shards"]) > 3 and len(m["splits"]["val"]["shards"]) > 1
+    full = DataModule(cfg.data).train.n_tokens
+    assert full == m["splits"]["train"]["tokens"]
+
+    def cut(f):  # to a tenth, whole tokens: nothing but the size tells
+        os.truncate(f, f.stat().st_size // 10 // 2 * 2)
+
+    def shorter_array(f):  # a valid .npy with one entry fewer than the manifest's documents
+        np.save(f, np.load(f)[:-1])
+
+    damages = [("train_00000.bin", cut, r"train_00000.bin is \d+ bytes, the manifest says [\d,]+"),
+               ("train_00001.bin", os.unlink, "train_00001.bin is missing"),
+               ("val_00001.bin", lambda f: f.write_bytes(f.read_bytes() + b"\1\0\2\0"),  # grown by 2 tokens
+                r"val_00001.bin is [\d,]+ bytes"),
+               ("train_00002.docs.npy", cut, "train_00002.docs.npy is"),
+               ("train_00001.docs.npy", shorter_array, r"train_00001.docs.npy is [\d,]+ bytes, the manifest says"),
+               ("val_00001.docs.npy", lambda f: f.write_bytes(b"garbage"), "val_00001.docs.npy is not a .npy file"),
+               ("val_00000.bytes.npy", os.unlink, "val_00000.bytes.npy is missing")]
+    for name, damage, needle in damages:
+        damage(path / name)
+        for write in (True, False):  # the start, and --print-config
+            with pytest.raises(ConfigError) as e:
+                check_data(cfg, write=write)
+            msg = str(e.value)
+            assert msg.startswith(f"config error: data.prepared_dir='{tmp_path / 'p'}': {path} is damaged ("), msg
+            assert re.search(needle, msg) and "`mode data prepare --config F --force`" in msg, msg
+        with pytest.raises(ConfigError, match=needle):
+            DataModule(cfg.data)
+        with pytest.raises(ConfigError, match=needle):  # `mode data prepare` without --force keeps it
+            prep.prepare(cfg.data, progress=False)
+        if name == "train_00000.bin":  # through `mode train` and its --print-config: one line, no run.dir
+            for extra in ([], ["--print-config"]):
+                line = _one_config_line(main, [*common, f"run.dir={tmp_path / 'run'}", *extra], capsys)
+                assert re.search(needle, line) and not (tmp_path / "run").exists(), line
+            # a shard cut after the open was checked is refused by the reader too
+            with pytest.raises(ConfigError, match=r"train_00000.bin holds \d+ tokens, the manifest says"):
+                TokenSplit(path, m["splits"]["train"], m["dtype"])
+        assert prep.prepare(cfg.data, force=True, progress=False) == path
+        assert prep.read_manifest(path)["splits"] == m["splits"] and DataModule(cfg.data).train.n_tokens == full
+        check_data(cfg, write=False)
 
 
 def test_a_malformed_manifest_is_one_config_error_and_force_rebuilds_it(corpus, tmp_path, monkeypatch, capsys):
@@ -928,3 +983,47 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
     assert ma["resumed"] and not mb["resumed"]
     assert {f: (a.parent / f).stat().st_ino for f in kept} == kept  # complete shards were kept, not rewritten
 
+
+@pytest.mark.slow
+def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_line(tmp_path):
+    """End to end through the CLI. Bug caught: with `train_00000.bin` cut to ~1% of its size,
+    `mode train` ran and exited 0 on ~1% of the corpus; with a manifest lacking a split's 'bytes',
+    it died with a `KeyError: 'bytes'` traceback. Both are now one config error line (exit 2, no
+    run.dir) naming the directory and the damage; `mode data prepare --force` rebuilds it and the
+    same command trains."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
+    for i in range(20):
+        (d / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    data = ["--config", "configs/tiny/dense.yaml", *TINY, f"data.source={d}", "data.max_documents=0",
+            "data.num_workers=1", f"data.prepared_dir={tmp_path / 'p'}"]
+    train = [*data, "train.max_steps=2", f"run.dir={tmp_path / 'run'}"]
+    mode_cli("data", "prepare", *data)
+    (path,) = (tmp_path / "p").glob("*/manifest.json")
+    path, splits = path.parent, json.loads(path.read_text())["splits"]
+    f = path / "train_00000.bin"
+    assert f.stat().st_size > 300_000
+    os.truncate(f, f.stat().st_size // 100 // 2 * 2)  # whole tokens: only the size tells
+
+    def one_line(*args, needle):
+        r = mode_cli(*args, check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+        assert lines[0].startswith(f"config error: data.prepared_dir='{tmp_path / 'p'}': {path} is damaged ("), lines
+        assert needle in lines[0] and "`mode data prepare --config F --force`" in lines[0], lines
+        assert not (tmp_path / "run").exists()
+
+    for args in (("train", *train), ("train", *train, "--print-config"), ("data", "prepare", *data)):
+        one_line(*args, needle="train_00000.bin is ")
+    mode_cli("data", "prepare", *data, "--force")
+    assert json.loads((path / "manifest.json").read_text())["splits"] == splits
+    m = json.loads((path / "manifest.json").read_text())
+    del m["splits"]["train"]["bytes"]
+    (path / "manifest.json").write_text(json.dumps(m))
+    one_line("train", *train, needle="manifest.json: no train 'bytes'")
+    mode_cli("data", "prepare", *data, "--force")
+    mode_cli("train", *train)
+    assert json.loads((path / "manifest.json").read_text())["splits"] == splits
+    assert scalars(tmp_path / "run", "train/loss")
