@@ -331,8 +331,7 @@ def rotate(root: Path, keep: int) -> None:
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step_*.tmp"):  # a save of ours that was cut short (save() names them)
-        if STEP_RE.match(stale.name.removesuffix(".tmp")):
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load(engine, path: Path, rank: int, load_optimizer: bool = True) -> dict:

@@ -169,6 +169,16 @@ MUTANTS = [
      '        if size != meta["bytes"]:\n', "        if False:\n", CKPT),
     ("every checkpoint damaged: the run restarts in its own directory", "mode/checkpoint.py",
      "        if found[1]:\n", "        if False:\n", CKPT),
+    # Run directories and prepared data
+    ("a run is recognised by its entries' names alone", "mode/rundir.py",
+     "    return True in found and False not in found\n", "    return bool(found)\n", CKPT),
+    ("rotation deletes any *.tmp directory in checkpoints/", "mode/checkpoint.py",
+     'root.glob("step_*.tmp")', 'root.glob("*.tmp")', CKPT),
+    ("a report may go anywhere inside a run but its top level", "mode/rundir.py",
+     "(below is None or below.name != owned)", "(below is None or below.name not in ARTEFACTS)",
+     ["tests/test_analysis.py", "tests/test_harness.py"]),
+    ("a cut prepared shard is trained on", "mode/prepare.py",
+     "    bad = damaged_files(path, manifest)\n", "    bad = []\n", ["tests/test_data.py"]),
     # Start-up
     ("a build lock held open is called stale", "mode/lifeline.py",
      "                if os.readlink(fd) == str(lock):\n                    return True\n",
