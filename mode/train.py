@@ -79,9 +79,9 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
     if (Path(cfg.run.dir) / "DONE").exists() and not ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)):
-        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (its "
-                          "checkpoints/ was removed?): a start would train it again from step 0 beside its logs; "
-                          "pass run.fresh=true to retrain it or use another run.dir")
+        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (were "
+                          "they removed?): a start would train it again from step 0 beside its logs; pass "
+                          "run.fresh=true to retrain it or use another run.dir")
     if sched and not cfg.train.allow_schedule_change and ckpt.latest_step(cfg.run.dir) is not None:
         key, (was, now) = next(iter(sched.items()))
         raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
