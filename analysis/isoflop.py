@@ -299,13 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", metavar="YAML", help="experiment YAML naming the FLOP budgets (`budgets:`)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: RUNS_DIR/report)")
     args = p.parse_args(argv)
+    from analysis.outdir import check_report_dir, make_report_dir
+
     out = Path(args.out or Path(args.runs_dir) / "report")
-    out.mkdir(parents=True, exist_ok=True)
     try:
         budgets = load_budgets(args.experiment) if args.experiment else None
+        check_report_dir(out, "--out")  # never over a user's isoflop.md (nothing written)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    make_report_dir(out)
     lines = isoflop_section(load_runs(args.runs_dir), out, budgets)
     if not lines:
         print("no isoFLOP grid found: no variant has two sizes at one budget", file=sys.stderr)

@@ -446,15 +446,20 @@ def _routing_section(runs: list[RunLog], out_dir: Path) -> list[str]:
 def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: list[float] | None = None) -> Path:
     """Write report.md, summary.json and figures for every run under runs_dir; return report.md's path.
     out_dir defaults to RUNS_DIR/report (for one run, RUN_DIR/report: a run artefact, mode/rundir.py,
-    so the run can still be resumed). An isoFLOP section is added when the runs form an
-    isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are clustered."""
+    so the run can still be resumed); it must be new, empty or a mode report's (analysis/outdir.py:
+    ConfigError before anything is written), and gets the marker first. An isoFLOP section is added
+    when the runs form an isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are
+    clustered."""
+    from analysis.outdir import check_report_dir, make_report_dir
+
     runs_dir = Path(runs_dir)
     runs = load_runs(runs_dir)
     if not runs:  # before anything is written
         raise NoRuns(f"no run directories under {runs_dir} (a run directory holds tb/ or run_info.json); "
                      "nothing written")
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_report_dir(out_dir, "out_dir")  # never a user's report.md (ConfigError, nothing written)
+    make_report_dir(out_dir)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -578,12 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs_dir", metavar="RUNS_DIR", help="directory holding run directories (or one run directory)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output directory (default: RUNS_DIR/report; for one run RUN_DIR/report, which "
-                        "resuming or run.fresh=true leaves in place); not elsewhere inside a run directory")
+                        "resuming or run.fresh=true leaves in place); not elsewhere inside a run directory; "
+                        "new, empty or holding an earlier mode report (.mode-report), never a user's files")
     p.add_argument("--experiment", metavar="YAML", default=None,
                    help="experiment YAML; its top-level FLOP `budgets:` group an isoFLOP grid (else budgets are "
                         "clustered), as `mode compare` does")
     args = p.parse_args(argv)
     from analysis.isoflop import load_budgets
+    from analysis.outdir import check_report_dir
     from mode.config import ConfigError
     from mode.rundir import REPORT, check_outside_runs
 
@@ -596,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if out is not None:
             check_outside_runs(args.out, "--out", owned=REPORT)
+        # a report only into a new or empty directory or a mode report's (never a user's report.md)
+        check_report_dir(out if out is not None else runs_dir / REPORT, "--out",
+                         args.out if out is not None else str(runs_dir / REPORT))
         path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment else None)
     except ConfigError as e:  # a bad `budgets:`: one line, nothing written
         print(e, file=sys.stderr)

@@ -521,3 +521,52 @@ def test_last_step_is_the_training_step_not_tokens_or_mflops(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [r["last_step"] for r in summary["dense"]["runs"]] == [30]
     assert "| `dense_seed0` | `dense_seed0` | `dense` | 0 | 30 | yes |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path, capsys):
+    """Bug caught: `mode analyze RUNS --out DIR` (and `python -m analysis.isoflop --out DIR`) replaced
+    report.md, summary.json, isoflop.md and *.png in any existing directory, a user's own included.
+    A directory with a user's report.md and no .mode-report marker is now refused in one line before
+    anything is written; the defaults RUNS_DIR/report and RUN_DIR/report still work on reruns."""
+    from analysis.outdir import MARKER
+
+    runs = tmp_path / "runs"
+    _write_run(runs / "dense_seed0", "dense", 0, 2.5)
+    _write_run(runs / "dense_seed1", "dense", 1, 2.6)
+    mine = tmp_path / "paper"
+    mine.mkdir()
+    (mine / "report.md").write_text("# my paper draft\n")
+    (mine / "summary.json").write_text('{"mine": 1}')
+    (mine / "isoflop.md").write_text("my isoflop notes\n")
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    line = (f"config error: --out={str(mine)!r}: a new or empty directory, or one a mode report was written to; it "
+            "holds isoflop.md, report.md, summary.json and no .mode-report, so the report will not overwrite them")
+    assert report.main([str(runs), "--out", str(mine)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert isoflop.main([str(runs), "--out", str(mine)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before  # nothing written
+    f = tmp_path / "a_file"
+    f.write_text("mine")
+    assert report.main([str(runs), "--out", str(f)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"config error: --out={str(f)!r}: a directory for the report (this path is a file)"]
+
+    # reruns: a new directory, then the same one again (its marker), the defaults, one run's report/
+    new = tmp_path / "new"
+    for _ in range(2):
+        assert report.main([str(runs), "--out", str(new)]) == 0
+        assert (new / MARKER).is_file() and "dense" in (new / "report.md").read_text()
+    for _ in range(2):
+        assert report.main([str(runs)]) == 0
+        assert (runs / "report" / MARKER).is_file()
+        assert report.main([str(runs / "dense_seed0")]) == 0
+    (runs / "report" / MARKER).unlink()  # written before the marker existed: report files only, mode's report.md
+    assert report.main([str(runs)]) == 0 and (runs / "report" / MARKER).is_file()
+    capsys.readouterr()
+    (runs / "report" / MARKER).unlink()
+    (runs / "report" / "report.md").write_text("# my own report\n")  # the same names, not mode's report
+    assert report.main([str(runs)]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: --out={str(runs / 'report')!r}: a new or empty")
+    assert (runs / "report" / "report.md").read_text() == "# my own report\n"
+
