@@ -26,7 +26,7 @@ import numpy as np
 
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, forward_flops_per_token, group_by_variant, load_runs,
-                         variant_colors, variant_sort_key)
+                         skipped_line, variant_colors, variant_sort_key)
 
 
 class NoRuns(ValueError):
@@ -447,18 +447,25 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     """Write report.md, summary.json and figures for every run under runs_dir; return report.md's path.
     out_dir defaults to RUNS_DIR/report (for one run, RUN_DIR/report: a run artefact, mode/rundir.py,
     so the run can still be resumed); it must be new, empty or a mode report's (analysis/outdir.py:
-    ConfigError before anything is written), and gets the marker first. An isoFLOP section is added
-    when the runs form an isoFLOP grid; `budgets` (training FLOPs) names its budgets, else they are
-    clustered."""
+    ConfigError before anything is written), and gets the marker first. A run whose config.yaml is
+    unreadable is left out, named on stderr (one line) and in the report. An isoFLOP section is
+    added when the runs form an isoFLOP grid; `budgets` (training FLOPs) names its budgets, else
+    they are clustered."""
     from analysis.outdir import check_report_dir, make_report_dir
 
     runs_dir = Path(runs_dir)
-    runs = load_runs(runs_dir)
+    skipped: list[tuple[Path, str]] = []
+    runs = load_runs(runs_dir, skipped)
     if not runs:  # before anything is written
+        if skipped:
+            raise NoRuns(f"no readable run directories under {runs_dir}: {skipped_line(skipped).split(': ', 1)[1]}; "
+                         "nothing written")
         raise NoRuns(f"no run directories under {runs_dir} (a run directory holds tb/ or run_info.json); "
                      "nothing written")
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "report"
     check_report_dir(out_dir, "out_dir")  # never a user's report.md (ConfigError, nothing written)
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr)
     make_report_dir(out_dir)
     import matplotlib
 
@@ -469,6 +476,10 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     unfinished = [r.name for r in runs if not r.done]
     lines += [f"{len(runs)} runs, {len(table)} variants."
               + (f" Still running or interrupted (no DONE): {', '.join(unfinished)}." if unfinished else ""), ""]
+    if skipped:  # said on stderr too: a run missing from the tables is never silent
+        lines += [f"**Left out** ({len(skipped)} run(s) whose config.yaml is unreadable, so which variant they "
+                  "are seeds of is unknown): " + "; ".join(f"`{_rel(p, runs_dir)}` ({why})" for p, why in skipped)
+                  + ".", ""]
 
     split: dict[str, list[RunLog]] = {}
     for r in sorted((r for r in runs if r.config_diff), key=lambda r: (variant_sort_key(r.variant), str(r.path))):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -184,20 +185,40 @@ def _read_json(path: Path) -> dict:
         return {}  # absent, or being written right now by an in-progress run
 
 
-def _read_yaml(path: Path) -> dict:
+class UnreadableRun(ValueError):
+    """A run directory whose config.yaml exists but cannot be read as a YAML mapping: its config,
+    which decides which runs are seeds of one variant, is unknown, so the run is left out."""
+
+
+def _read_config(path: Path) -> dict:
+    """config.yaml as a mapping; {} when there is none (yet). UnreadableRun when it is there but not
+    UTF-8 text, not YAML or not a mapping (a foreign or damaged file: never read as an empty config)."""
     try:
-        d = yaml.safe_load(path.read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, yaml.YAMLError):
+        data = path.read_bytes()
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise UnreadableRun(f"config.yaml cannot be read ({e.strerror or e})") from None
+    try:
+        d = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UnreadableRun(f"config.yaml is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise UnreadableRun(f"config.yaml is not valid YAML ({' '.join(str(e).split())[:120]})") from None
+    if d is None:  # empty: the trainer has not written it yet
+        return {}
+    if not isinstance(d, dict):
+        raise UnreadableRun(f"config.yaml is not a mapping (a {type(d).__name__})")
+    return d
 
 
 def load_run_log(path: str | Path) -> RunLog:
     """One run directory. Variant and seed come from run_info.json, else config.yaml
-    (run.name, train.seed), else the directory name `<variant>_seed<N>`."""
+    (run.name, train.seed), else the directory name `<variant>_seed<N>`. UnreadableRun when its
+    config.yaml is there but unreadable."""
     path = Path(path)
     info = _read_json(path / "run_info.json")
-    config = _read_yaml(path / "config.yaml")
+    config = _read_config(path / "config.yaml")
     m = _SEED_SUFFIX.match(path.name)
     variant = info.get("name") or (config.get("run") or {}).get("name") or (m.group("variant") if m else path.name)
     seed = info.get("seed", (config.get("train") or {}).get("seed", int(m.group("seed")) if m else 0))
@@ -220,8 +241,26 @@ def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
     return sorted(found)
 
 
-def load_runs(runs_dir: str | Path) -> list[RunLog]:
-    return separate_configs([load_run_log(p) for p in find_run_dirs(runs_dir)])
+def load_runs(runs_dir: str | Path, skipped: list[tuple[Path, str]] | None = None) -> list[RunLog]:
+    """Every readable run under runs_dir. A run whose config.yaml is unreadable is left out: appended
+    to `skipped` as (path, why) when a list is given (the caller reports it), else named on stderr."""
+    runs, left_out = [], []
+    for p in find_run_dirs(runs_dir):
+        try:
+            runs.append(load_run_log(p))
+        except UnreadableRun as e:
+            left_out.append((p, str(e)))
+    if skipped is not None:
+        skipped += left_out
+    elif left_out:
+        print(skipped_line(left_out), file=sys.stderr)
+    return separate_configs(runs)
+
+
+def skipped_line(skipped: list[tuple[Path, str]]) -> str:
+    """One stderr line naming the runs left out and why."""
+    return (f"warning: left out {len(skipped)} run(s) whose config.yaml is unreadable: "
+            + "; ".join(f"{p} ({why})" for p, why in skipped))
 
 
 # What a run measures does not depend on its seed, where it lives, how often it logs and saves, or how

@@ -570,3 +570,25 @@ def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path,
     assert capsys.readouterr().err.startswith(f"config error: --out={str(runs / 'report')!r}: a new or empty")
     assert (runs / "report" / "report.md").read_text() == "# my own report\n"
 
+
+@pytest.mark.parametrize("content", [b"run: {name: dense}\n\xff\xfe\x00garbage", b"run: [unclosed\n", b"- a list\n"])
+def test_a_run_with_an_unreadable_config_yaml_is_left_out_and_the_others_reported(tmp_path, capsys, content):
+    """Bug caught: one run's non-UTF-8 config.yaml made `mode analyze` die with UnicodeDecodeError and
+    no report at all (an unparsable one was read as an empty config, a variant of its own). The run
+    is now left out, named in one stderr line and in the report; the others are reported."""
+    runs = tmp_path / "runs"
+    _write_run(runs / "dense_seed0", "dense", 0, 2.5)
+    _write_run(runs / "dense_seed1", "dense", 1, 2.7)
+    _write_run(runs / "mod_seed0", "mod", 0, 2.4)
+    (runs / "dense_seed1" / "config.yaml").write_bytes(content)
+    assert report.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "out" / "report.md")
+    err = err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: left out 1 run(s) whose config.yaml is unreadable: "
+                                               f"{runs / 'dense_seed1'} (config.yaml is not "), err
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**Left out** (1 run(s) whose config.yaml is unreadable" in md and "`dense_seed1` (config.yaml is not" in md
+    assert "| `dense` | 1 |" in md and "| `mod` | 1 |" in md and "`dense_seed1` | `dense_seed1`" not in md
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["dense"]["seeds"] == [0] and summary["dense"]["eval_loss"]["mean"] == pytest.approx(2.5)
