@@ -54,6 +54,12 @@ Launchers:
   written from what exists. With `submit: false` nothing is waited for: submit the scripts, then
   `--wait`.
 
+runs_dir holds only what compare writes (LOCK, experiment.json, `<variant>_seed<k>` run directories,
+slurm/, reports): a runs_dir that is a file or a mode run, or holds anything else (a user's files, an
+experiment.json that is not compare's plan, a report/ no mode report wrote), and a report_dir that
+is a file or holds a user's report, are refused when the experiment is read (`config error:
+runs_dir=...` / `report_dir=...`, exit 2), before anything is written or run.
+
 Before the first run starts every run's config is resolved and checked (values, world size vs.
 expert-parallel size, tokenizer, an existing run directory of an incompatible config): a bad
 grid stops with one `config error: variant V (seed k): ...` line, exit 2. Invoking the same
@@ -253,14 +259,101 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     report_dir = raw.get("report_dir")
     if runs_dir is not None:  # a rerun elsewhere: its report goes with it
         runs, report_dir = check_place(runs_dir, "--runs-dir"), None
+        check_runs_dir(runs, "--runs-dir", runs_dir)
     else:  # the same refusal as a run.dir: the grid's LOCK, plan and report go there
-        runs = check_place(str(raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}"), "runs_dir")
+        shown = str(raw.get("runs_dir") or f"runs/{raw.get('name') or path.stem}")
+        runs = check_place(shown, "runs_dir")
+        check_runs_dir(runs, "runs_dir", shown)
+    if report_dir:  # checked now, not after hours of training: a file, or a user's report.md, is refused
+        from analysis.outdir import check_report_dir
+
+        check_report_dir(_user_path(str(report_dir)), "report_dir", str(report_dir))
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=runs,
                       report_dir=Path(_user_path(str(report_dir))) if report_dir else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
                       match_flops=match, budgets=budgets)
+
+
+# What `mode compare` writes into runs_dir: nothing else is ever found there unless a user put it.
+PLAN = "experiment.json"  # write_plan
+GRID_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*_seed\d+$")  # <variant>_seed<k>: a run directory of a grid
+SLURM_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*_seed\d+(\.sh|\.jobid|-\d+\.out)$")  # run_slurm, sbatch
+
+
+def is_plan(path: Path) -> bool:
+    """Is this file an experiment.json that write_plan wrote (so a rerun may replace it)?"""
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(plan, dict) and set(plan) == {"experiment", "name", "launcher", "runs"}
+            and isinstance(plan["runs"], list)
+            and all(isinstance(r, dict) and set(r) == {"name", "variant", "seed", "config", "overrides", "dir"}
+                    for r in plan["runs"]))
+
+
+def not_written_by_compare(d: Path) -> list[str]:
+    """The entries of runs_dir `d` that `mode compare` did not write: anything but its LOCK, its
+    plan (experiment.json, as write_plan writes it), slurm/ holding only its scripts, job ids and
+    job logs, report directories (analysis/outdir.py: `report/` new, empty or a mode report's, or
+    any directory with the report marker) and run directories `<variant>_seed<k>` that are new
+    (empty, or only the SLURM job's slurm/) or mode runs (of this grid, an earlier one with other
+    seeds or variants, or another grid sharing runs_dir). A runs_dir a report was written into
+    (report_dir = runs_dir) may hold its files."""
+    from analysis.outdir import REPORT_FILES, has_marker, is_report_dir
+    from mode.rundir import JOB_LOGS, LOCK, is_mode_run
+
+    foreign = []
+    for p in sorted(d.iterdir()):
+        n = p.name
+        if n == LOCK and p.is_file() and not p.is_symlink():
+            continue
+        if n == PLAN and p.is_file() and not p.is_symlink():
+            if is_plan(p):
+                continue
+            foreign.append(f"{n} (not mode compare's plan)")
+            continue
+        if n == "slurm" and p.is_dir() and not p.is_symlink() and all(SLURM_FILE_RE.match(q.name) for q in p.iterdir()):
+            continue
+        if p.is_dir() and not p.is_symlink() and (has_marker(p) or (n == "report" and is_report_dir(p))):
+            continue
+        if GRID_RUN_RE.match(n) and p.is_dir() and not p.is_symlink():
+            # new (nothing but the SLURM job's own log, as mode/rundir.py counts it) or a mode run
+            if all(q.name == JOB_LOGS for q in p.iterdir()) or is_mode_run(p):
+                continue
+            foreign.append(f"{n} (not a mode run)")
+            continue
+        if REPORT_FILES.match(n) and has_marker(d):
+            continue
+        foreign.append(n)
+    return foreign
+
+
+def check_runs_dir(d: Path, key: str, shown: str) -> None:
+    """Refuse (ConfigError, before anything is written) a runs_dir that is a file, a mode run (the
+    grid's entries would stop it resuming) or holds entries mode compare did not write."""
+    from mode.checkpoint import CHECKPOINTS
+
+    if d.exists() and not d.is_dir():
+        raise ConfigError(key, shown, "a directory for the grid (this path is a file)")
+    ancestor = d
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(key, shown, f"a directory path ({ancestor} is a file)")
+    if not d.is_dir():
+        return
+    run = [n for n in (CHECKPOINTS, "tb", "run_info.json") if (d / n).exists()]
+    if run:
+        raise ConfigError(key, shown, f"a directory for the grid, not a mode run directory (it holds {', '.join(run)}"
+                                      "): the grid's runs, experiment.json and LOCK would stop that run from resuming")
+    foreign = not_written_by_compare(d)
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(key, shown, f"a new or empty directory or a mode compare runs_dir; it holds {listed}, which "
+                                      "mode compare did not write, so it will not write a grid into it")
 
 
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:

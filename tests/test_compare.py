@@ -515,3 +515,164 @@ def test_runs_dir_never_cwd_a_parent_of_it_or_home(tmp_path, monkeypatch, capsys
         f"config error: {key}={value!r}: a directory that is neither the current directory, a parent of it nor "
         "the home directory (e.g. runs/NAME)"]
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+# ----------------------------------------------------------------------------------------------
+# runs_dir and report_dir hold only what `mode compare` writes (the trainer is a stub: no process starts).
+
+
+def stub_trainer(monkeypatch) -> list[str]:
+    """Replace the trainer with one that leaves a finished run (config, run info, a tb/ event file, a
+    complete checkpoint, DONE); returns the names of the runs it was asked to train."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mode import checkpoint as ckpt
+    from mode import compare
+
+    started = []
+
+    def finished_run(exp, run, env):
+        started.append(run.name)
+        run.dir.mkdir(parents=True, exist_ok=True)
+        (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
+        (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed, "world_size": 1}))
+        w = SummaryWriter(str(run.dir / "tb"))
+        w.add_scalar("eval/loss", 3.0 + run.seed, run.cfg.train.max_steps)
+        w.close()
+        step = ckpt.step_dir(ckpt.checkpoints_dir(run.dir), run.cfg.train.max_steps)
+        step.mkdir(parents=True)
+        (step / "model.pt").write_bytes(b"weights")
+        ckpt.write_manifest(step, run.cfg.train.max_steps)
+        (run.dir / "DONE").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(compare, "run_one", finished_run)
+    return started
+
+
+def stub_grid(tmp_path: Path, **extra) -> Path:
+    return experiment(tmp_path, overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"],
+                      **extra)
+
+
+def tree(d: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
+
+
+def _users_runs_dir(kind: str, runs: Path) -> tuple[str, str]:
+    """Fill runs_dir as a user might have; (key, what the one line says about it)."""
+    runs.mkdir(parents=True)
+    if kind == "notes":
+        (runs / "notes.txt").write_text("my notes\n")
+        return "runs_dir", "it holds notes.txt, which mode compare did not write"
+    if kind == "plan":  # a user's own experiment.json beside compare's run directories
+        (runs / "experiment.json").write_text(json.dumps({"my": "experiment"}))
+        return "runs_dir", "it holds experiment.json (not mode compare's plan), which mode compare did not write"
+    if kind == "report":  # the user's own report/ where compare's default report goes
+        (runs / "report").mkdir()
+        (runs / "report" / "report.md").write_text("# my report\n")
+        (runs / "report" / "summary.json").write_text("{}")
+        return "runs_dir", "it holds report, which mode compare did not write"
+    if kind == "stray":  # a directory named like a grid's run, holding a user's files
+        (runs / "photos_seed1").mkdir()
+        (runs / "photos_seed1" / "holiday.jpg").write_bytes(b"jpeg")
+        return "runs_dir", "it holds photos_seed1 (not a mode run), which mode compare did not write"
+    if kind == "mode_run":  # runs_dir is itself a run: the grid's entries would stop it resuming
+        (runs / "checkpoints").mkdir()
+        (runs / "tb").mkdir()
+        (runs / "config.yaml").write_text("run: {name: mine}\n")
+        (runs / "run_info.json").write_text(json.dumps({"name": "mine", "seed": 0, "world_size": 1}))
+        return "runs_dir", "not a mode run directory (it holds checkpoints, tb, run_info.json)"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["notes", "plan", "report", "stray", "mode_run"])
+def test_compare_refuses_a_runs_dir_holding_what_it_did_not_write(tmp_path, monkeypatch, capsys, kind):
+    """Bug caught: nothing checked runs_dir's contents: `mode compare` silently replaced a user's
+    experiment.json and report/report.md + summary.json there, and with runs_dir set to a mode run
+    directory it wrote dense_seed0/ and experiment.json into that run, which then could not resume.
+    Now one config error line before anything is written or any run starts."""
+    from mode import compare, rundir
+
+    started = stub_trainer(monkeypatch)
+    runs = tmp_path / "runs"
+    key, says = _users_runs_dir(kind, runs)
+    before = tree(runs)
+    exp = stub_grid(tmp_path)
+    assert compare.main([str(exp), "--only", "dense"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: {key}={str(runs)!r}: ") and says in err[0], err
+    assert started == [] and tree(runs) == before  # nothing ran, nothing written
+    if kind == "mode_run":
+        rundir.check(str(runs), False)  # still resumable
+
+
+def test_compare_refuses_a_report_dir_holding_a_users_report_before_training(tmp_path, monkeypatch, capsys):
+    """Bug caught: report_dir was written after all training without a look at what it held: a
+    user's report.md, summary.json and figures there were replaced. Refused at load now (one line)."""
+    from mode import compare
+
+    started = stub_trainer(monkeypatch)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("# my paper draft\n")
+    (mine / "loss_vs_step.png").write_bytes(b"my figure")
+    exp = stub_grid(tmp_path, report_dir=str(mine))
+    assert compare.main([str(exp), "--only", "dense"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"config error: report_dir={str(mine)!r}: a new or empty directory, or one a mode report was "
+                   "written to; it holds loss_vs_step.png, report.md and no .mode-report, so the report will not "
+                   "overwrite them"], err
+    assert started == [] and not (tmp_path / "runs").exists()
+    assert (mine / "report.md").read_text() == "# my paper draft\n" and sorted(p.name for p in mine.iterdir()) == [
+        "loss_vs_step.png", "report.md"]
+
+
+@pytest.mark.parametrize("key", ["runs_dir", "report_dir"])
+def test_runs_dir_or_report_dir_that_is_a_file_is_refused_at_load(tmp_path, monkeypatch, capsys, key):
+    """Bug caught: `runs_dir:` or `report_dir:` naming an existing file ended in FileExistsError,
+    for report_dir only after all training. One config error line at load now, nothing run."""
+    from mode import compare
+
+    started = stub_trainer(monkeypatch)
+    f = tmp_path / "a_file"
+    f.write_text("mine\n")
+    exp = stub_grid(tmp_path, **{key: str(f)})
+    for argv in ([str(exp), "--dry-run"], [str(exp), "--only", "dense"]):
+        assert compare.main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        what = "a directory for the grid" if key == "runs_dir" else "a directory for the report"
+        assert err == [f"config error: {key}={str(f)!r}: {what} (this path is a file)"], err
+    assert started == [] and f.read_text() == "mine\n" and not (tmp_path / "runs").exists()
+
+
+def test_rerunning_a_grid_into_its_own_runs_dir_keeps_working(tmp_path, monkeypatch, capsys):
+    """The refusals above leave compare's own reruns alone: the same grid again (its LOCK, plan,
+    run directories, slurm/ and report), more seeds, another grid sharing runs_dir, a report_dir
+    inside runs_dir, and a report written before the .mode-report marker existed."""
+    from analysis.outdir import MARKER
+    from mode import compare
+
+    started = stub_trainer(monkeypatch)
+    runs = tmp_path / "runs"
+    exp = stub_grid(tmp_path)
+    assert compare.main([str(exp), "--only", "dense"]) == 0, capsys.readouterr().err
+    assert (runs / "report" / MARKER).is_file()
+    (runs / "slurm").mkdir()  # what a slurm grid leaves there: scripts, job ids, job logs
+    for name in ("dense_seed0.sh", "dense_seed0.jobid", "dense_seed0-1234.out"):
+        (runs / "slurm" / name).write_text("x\n")
+    assert compare.main([str(exp), "--only", "dense"]) == 0, capsys.readouterr().err
+    assert compare.main([str(exp), "--only", "dense", "--seeds", "0,1"]) == 0, capsys.readouterr().err
+    (runs / "mod_seed0" / "slurm").mkdir(parents=True)  # a SLURM job that failed before its trainer started
+    other = tmp_path / "other"
+    other.mkdir()
+    spec = yaml.safe_load(stub_grid(other).read_text())
+    spec.update(runs_dir=str(runs), variants={"wide": spec["variants"]["dense"]}, report_dir=str(runs / "wide_report"))
+    (other / "grid.yaml").write_text(yaml.safe_dump(spec))
+    assert compare.main([str(other / "grid.yaml")]) == 0, capsys.readouterr().err
+    (runs / "report" / MARKER).unlink()  # a report from before the marker: only report files, mode's report.md
+    assert compare.main([str(exp), "--only", "dense"]) == 0, capsys.readouterr().err
+    assert started == ["dense_seed0", "dense_seed1", "wide_seed0"]
+    assert sorted(p.name for p in runs.iterdir()) == ["LOCK", "dense_seed0", "dense_seed1", "experiment.json",
+                                                      "mod_seed0", "report", "slurm", "wide_report", "wide_seed0"]
+    assert (runs / "report" / MARKER).is_file() and (runs / "wide_report" / MARKER).is_file()
