@@ -25,6 +25,7 @@ API is re-pointed there):
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -336,10 +337,45 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
     with _hub(offline):  # the harness loads the tasks again: from where they were found above
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
                                       log_samples=False)
-    res["mode"] = {"run": str(run), "routing": routing,
+    res["mode"] = {"written_by": WRITTEN_BY, "run": str(run), "routing": routing,
                    "note": "causal: sampling-time routing (no lookahead)" if routing == "causal"
                    else "topk: training-time routing (sees the whole window: not sampling-safe)"}
     return res
+
+
+WRITTEN_BY = "mode eval"  # in every results file's `mode` entry: proves mode eval wrote it (a rerun may replace it)
+
+
+def written_by_mode_eval(path: Path) -> bool:
+    """Is this file a results JSON `mode eval` wrote? Its `mode` entry says so (written_by), or, in
+    files written before that key existed, is exactly the entry evaluate() added then."""
+    try:
+        res = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    m = res.get("mode") if isinstance(res, dict) else None
+    if not isinstance(m, dict) or "results" not in res:
+        return False
+    return m.get("written_by") == WRITTEN_BY or (set(m) == {"run", "routing", "note"}
+                                                 and m["routing"] in ("causal", "topk"))
+
+
+def check_out(out: Path, key: str, shown: str, explicit: bool) -> None:
+    """Before anything is evaluated (ConfigError, one line): `out` must be a file path in a writable
+    place; an existing explicit --out only a results file mode eval wrote (never a user's file)."""
+    if out.is_dir():
+        raise ConfigError(key, shown, "a file path, not a directory")
+    if explicit and out.exists() and not written_by_mode_eval(out):
+        raise ConfigError(key, shown, "a new file or a results file mode eval wrote (this file is not one: "
+                                      "mode eval will not overwrite it)")
+    place = out.parent
+    while not place.exists() and place != place.parent:  # the default RUN/eval/ is created
+        place = place.parent
+    if not place.is_dir():
+        raise ConfigError(key, shown, f"a file in a directory ({place} is a file)")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise ConfigError(key, shown, f"a writable location ({place} is not writable): checked before evaluating, "
+                                      "so no results are lost")
 
 
 def format_table(res: dict) -> str:
@@ -384,10 +420,9 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else Path(a.run) / "eval" / f"results_{'+'.join(tasks)}_{a.routing}.json"
     if a.out and not out.parent.is_dir():
         raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} does not exist)")
-    if out.is_dir():
-        raise ConfigError("--out", a.out, "a file path, not a directory")
     if a.out:  # the default, RUN/eval/, is the run's own
         check_outside_runs(a.out, "--out", owned="eval")
+    check_out(out, "--out", a.out if a.out else str(out), explicit=bool(a.out))
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     res = evaluate(a.run, tasks, a.include_path, limit, a.batch_size, a.routing)
     print(format_table(res))

@@ -260,3 +260,68 @@ def test_export_eval_generate_end_to_end(tmp_path):
     assert res["mode"]["routing"] == "topk" and "stdlib_next_line" in res["results"]
     g = mode_cli("generate", "--run", tmp_path / "export", "--prompt", "def ", "--max-new-tokens", "4")
     assert g.stdout.startswith("=== [0] 4 tokens ===\ndef ")  # mode generate's header, then prompt + sample
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the results go: checked before anything is evaluated (the harness itself is a stub here).
+
+
+@pytest.fixture
+def stub_harness(monkeypatch):
+    """mode eval with a stub harness: no model is loaded, no task indexed. Returns the list of
+    evaluations started (so a test can say none was)."""
+    import mode.harness as h
+
+    started = []
+
+    def simple_evaluate(**kw):
+        started.append(kw["tasks"])
+        return {"results": {t: {"acc,none": 0.5} for t in kw["tasks"]}}
+
+    monkeypatch.setattr(h, "ModeLM", lambda **kw: object())
+    monkeypatch.setattr(h, "_task_manager", lambda tasks, include_path: (None, False))
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    return started
+
+
+def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stub_harness):
+    """Bug caught: `mode eval ... --out notes.txt` silently replaced an existing file (unlike `mode
+    export`, which refuses). An existing --out is now replaced only when it is a results file mode
+    eval wrote (its `mode` entry says written_by: mode eval); anything else is one line, nothing run."""
+    argv = ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1"]
+    for name, text in (("notes.txt", "my notes\n"), ("r.json", '{"results": {"mine": 1}}'), ("x.json", "[1, 2]")):
+        f = tmp_path / name
+        f.write_text(text)
+        _one_line_error(capsys, [*argv, "--out", str(f)], f"--out={str(f)!r}: a new file or a results file mode eval "
+                                                          "wrote (this file is not one: mode eval will not overwrite it)")
+        assert f.read_text() == text
+    assert stub_harness == []
+    out = tmp_path / "results.json"
+    for _ in range(2):  # its own results file: a rerun replaces it
+        assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+        assert json.loads(out.read_text())["mode"]["written_by"] == "mode eval"
+    old = json.loads(out.read_text())  # written before the written_by key existed
+    del old["mode"]["written_by"]
+    out.write_text(json.dumps(old))
+    assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert len(stub_harness) == 3
+
+
+def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness, monkeypatch):
+    """Bug caught: the output location was only written after the whole evaluation, so an unwritable
+    --out lost the results (PermissionError at the end). Now one config error line before evaluating."""
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: make os.access answer as it would for a user
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.abspath(p) == str(ro) else real(p, mode))
+    try:
+        _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out", str(ro / "r.json")],
+                        f"--out={str(ro / 'r.json')!r}: a writable location ({ro} is not writable)")
+    finally:
+        ro.chmod(0o755)
+    assert stub_harness == [] and list(ro.iterdir()) == []
+
