@@ -25,6 +25,7 @@ API is re-pointed there):
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -413,8 +414,8 @@ def main(argv=None) -> int:
         raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
     if a.batch_size < 1:
         raise ConfigError("--batch-size", a.batch_size, ">= 1")
-    if a.limit is not None and a.limit <= 0:
-        raise ConfigError("--limit", a.limit, "> 0")
+    if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0):
+        raise ConfigError("--limit", a.limit, "a finite number > 0 (a count, or a fraction if < 1)")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / f"results_{'+'.join(tasks)}_{a.routing}.json"

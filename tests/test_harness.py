@@ -325,3 +325,11 @@ def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_pat
         ro.chmod(0o755)
     assert stub_harness == [] and list(ro.iterdir()) == []
 
+
+@pytest.mark.parametrize("limit", ["nan", "inf"])
+def test_eval_non_finite_limit_is_one_config_error(tmp_path, capsys, stub_harness, limit):
+    """Bug caught: `mode eval --limit nan` passed the `> 0` check and died in int() with a ValueError
+    line (inf: OverflowError)."""
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--limit", limit],
+                    f"config error: --limit={float(limit)!r}: a finite number > 0")
+    assert stub_harness == []
