@@ -139,7 +139,8 @@ def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
     cfg = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/dense.yaml", *TINY,
                           f"run.dir={run}", "--print-config"], cwd=ROOT, env=env(1), capture_output=True, text=True)
     (run / "config.yaml").write_text(cfg.stdout)
-    (run / "tb").mkdir()  # a run, not a user's directory holding a config.yaml
+    (run / "tb").mkdir()  # a run (its released LOCK says so), not a user's directory holding a config.yaml
+    (run / "LOCK").write_text("")
     r = launch_run("--num_gpus", 2, "--config", "configs/tiny/dense.yaml", *TINY, "model.d_model=64",
                    f"run.dir={run}")
     assert r.returncode == 2 and "config error: run.dir=" in r.stderr and "model.d_model: 32 -> 64" in r.stderr, \

@@ -1077,6 +1077,7 @@ def test_disk_full_at_a_checkpoint_is_one_line_naming_the_cause(tmp_path):
 def test_read_only_checkpoints_are_refused_before_any_step(tmp_path):
     d = tmp_path / "run"
     (d / "tb").mkdir(parents=True)
+    (d / "LOCK").write_text("")  # a run that started once (its lock released)
     _mount_tmpfs(d / "checkpoints", "ro,size=1m")
     try:
         r = mode_cli("train", "--config", CFG, *TINY, "train.max_steps=4", f"run.dir={d}", check=False)
@@ -1084,4 +1085,4 @@ def test_read_only_checkpoints_are_refused_before_any_step(tmp_path):
         _umount(d / "checkpoints")
     lines = one_line(r.stderr)
     assert r.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], r.stderr[-3000:]
-    assert sorted(p.name for p in d.iterdir()) == ["checkpoints", "tb"]  # nothing written
+    assert sorted(p.name for p in d.iterdir()) == ["LOCK", "checkpoints", "tb"]  # nothing written
