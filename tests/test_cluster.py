@@ -266,7 +266,9 @@ def test_compare_waits_again_for_its_own_running_job(tmp_path, cluster):
     from mode.rundir import check_lock
 
     exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
-           "overrides": [*RUN, "train.max_steps=400", "checkpoint.every=400"],
+           # long enough that the job still trains when the second compare reads the grid (400 steps
+           # finished first once, under load: "done, skipped")
+           "overrides": [*RUN, "train.max_steps=2000", "checkpoint.every=2000"],
            "launcher_options": {"num_gpus": 0, "submit": True},
            "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
     path = tmp_path / "grid.yaml"
