@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 
 from mode.config import ConfigError
+from mode.rundir import existing_base
+from mode.rundir import shown as shown_names
 
 MARKER = ".mode-report"
 HEADER = "# Comparison report: `"  # report.md's first line (analysis/report.py)
@@ -61,15 +63,10 @@ def check_report_dir(out: str | Path, key: str, shown: str | None = None) -> Pat
     if d.exists() and not d.is_dir():
         raise ConfigError(key, value, "a directory for the report (this path is a file)")
     if d.is_dir() and not is_report_dir(d):
-        names = sorted(p.name for p in d.iterdir())
-        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(key, value, f"a new or empty directory, or one a mode report was written to; it holds "
-                                      f"{listed} and no {MARKER}, so the report will not overwrite them")
-    ancestor = d
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(key, value, f"a directory path ({ancestor} is a file)")
+                                      f"{shown_names(sorted(p.name for p in d.iterdir()))} and no {MARKER}, so the "
+                                      "report will not overwrite them")
+    ancestor = existing_base(d, key, value)
     if not os.access(ancestor, os.W_OK):
         raise ConfigError(key, value, f"a writable directory ({ancestor} is not writable)")
     return d

@@ -335,14 +335,12 @@ def check_runs_dir(d: Path, key: str, shown: str) -> None:
     """Refuse (ConfigError, before anything is written) a runs_dir that is a file, a mode run (the
     grid's entries would stop it resuming) or holds entries mode compare did not write."""
     from mode.checkpoint import CHECKPOINTS
+    from mode.rundir import existing_base
+    from mode.rundir import shown as listed
 
     if d.exists() and not d.is_dir():
         raise ConfigError(key, shown, "a directory for the grid (this path is a file)")
-    ancestor = d
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(key, shown, f"a directory path ({ancestor} is a file)")
+    existing_base(d, key, shown)
     if not d.is_dir():
         return
     run = [n for n in (CHECKPOINTS, "tb", "run_info.json") if (d / n).exists()]
@@ -351,9 +349,9 @@ def check_runs_dir(d: Path, key: str, shown: str) -> None:
                                       "): the grid's runs, experiment.json and LOCK would stop that run from resuming")
     foreign = not_written_by_compare(d)
     if foreign:
-        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ConfigError(key, shown, f"a new or empty directory or a mode compare runs_dir; it holds {listed}, which "
-                                      "mode compare did not write, so it will not write a grid into it")
+        raise ConfigError(key, shown, f"a new or empty directory or a mode compare runs_dir; it holds "
+                                      f"{listed(foreign)}, which mode compare did not write, so it will not write a "
+                                      "grid into it")
 
 
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:

@@ -142,27 +142,33 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
         what = "delete (run.fresh=true)" if fresh else "write a run into"
         foreign = foreign_entries(d)
         if foreign:
-            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(foreign)}, which "
+            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {shown(foreign)}, which "
                                             f"mode did not write, so it will not {what} it")
         entries = sorted(p.name for p in d.iterdir() if p.name != JOB_LOGS)
         if entries and not is_mode_run(d):  # e.g. the user's own config.yaml, which a start would overwrite
-            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {_shown(entries)} but is "
+            raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {shown(entries)} but is "
                                             "not a mode run (no LOCK, run_info.json or step_N checkpoints as mode "
                                             f"writes them), so it will not {what} it")
         if lock:
             check_lock(d, key)
-    ancestor = d
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(key, run_dir, f"a directory path ({ancestor} is a file)")
+    ancestor = existing_base(d, key, run_dir)
     for p in (ancestor, checkpoints_dir(d), d / "tb"):
         if p.exists() and not os.access(p, os.W_OK):
             raise ConfigError(key, run_dir, f"a writable directory ({p} is read-only)")
     return d
 
 
-def _shown(names: list[str]) -> str:
+def existing_base(d: Path, key: str, value) -> Path:
+    """The nearest existing directory at or above `d` (where its missing parents would be created);
+    ConfigError (nothing written) when that is a file: `d` can then never be a directory."""
+    base = next(p for p in (d, *d.parents) if p.exists())
+    if not base.is_dir():
+        raise ConfigError(key, value, f"a directory path ({base} is a file)")
+    return base
+
+
+def shown(names: list[str]) -> str:
+    """The first few names of a listing, for a one-line error."""
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
