@@ -937,17 +937,22 @@ def test_corrected_command_runs_without_fresh_and_bpb_matches_a_hand_computation
     assert "eval bits/byte" in report and f"{bpb:.4f}" in report
 
 
+def word_files(d: Path, n: int, words_per_file: int) -> Path:
+    """`n` text files of random words (a corpus whose size the caller picks), in a new directory `d`."""
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
+    for i in range(n):
+        (d / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, words_per_file)))
+    return d
+
+
 @pytest.mark.slow
 def test_killed_prepare_restarts_cleanly(tmp_path):
     """SIGKILL `mode data prepare` while it writes shards: no manifest points at a partial shard,
     the next prepare resumes after the last complete shard (keeping it) and builds exactly what
     an uninterrupted one does."""
-    d = tmp_path / "big"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
-    for i in range(40):
-        (d / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 150_000)))
+    d = word_files(tmp_path / "big", 40, 150_000)
     args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
             "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
     sems = {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
@@ -991,12 +996,7 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
     it died with a `KeyError: 'bytes'` traceback. Both are now one config error line (exit 2, no
     run.dir) naming the directory and the damage; `mode data prepare --force` rebuilds it and the
     same command trains."""
-    d = tmp_path / "corpus"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
-    for i in range(20):
-        (d / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    d = word_files(tmp_path / "corpus", 20, 3000)
     data = ["--config", "configs/tiny/dense.yaml", *TINY, f"data.source={d}", "data.max_documents=0",
             "data.num_workers=1", f"data.prepared_dir={tmp_path / 'p'}"]
     train = [*data, "train.max_steps=2", f"run.dir={tmp_path / 'run'}"]
