@@ -491,11 +491,14 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last).
+    Merge keys (`<<: *anchor`) stay allowed: a key written beside a merge overrides the merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for k, _ in node.value:
+            if k.tag == "tag:yaml.org,2002:merge":  # no constructor of its own; flatten_mapping resolves it
+                continue
             key = self.construct_object(k, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mode.config import ConfigError, load_config, markdown_reference
+from mode.config import ConfigError, load_config, markdown_reference, parse_yaml
 from tests.util import ROOT, mode_cli
 
 
@@ -19,6 +19,19 @@ def test_base_inheritance_and_overrides(tmp_path):
     cfg = load_config(tmp_path / "b.yaml", ["train.max_steps=9", "optim.lr=1e-3", "model.moe.capacity_factor=null"])
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads) == (64, 3, 2)
     assert cfg.train.max_steps == 9 and cfg.optim.lr == 1e-3 and cfg.model.moe.capacity_factor is None
+
+
+def test_yaml_merge_keys_are_read_and_duplicates_beside_them_refused(tmp_path):
+    """Bug caught: the duplicate-key loader constructed every key, and a merge key (`<<: *anchor`,
+    how researchers share settings between sections) has no constructor: valid YAML was refused."""
+    (tmp_path / "a.yaml").write_text("model: {d_model: 64, n_heads: 2}\ncheckpoint: &c {every: 7, keep: 3}\n"
+                                     "train:\n  <<: [{max_steps: 9}, {log_every: 3}]\n  log_every: 1\n")
+    cfg = load_config(tmp_path / "a.yaml")
+    assert (cfg.train.max_steps, cfg.train.log_every) == (9, 1)  # a key written beside the merge wins
+    assert parse_yaml("a: &c {x: 1, y: 2}\nb: {<<: *c, y: 3}\n")["b"] == {"x": 1, "y": 3}
+    (tmp_path / "b.yaml").write_text("train:\n  <<: {max_steps: 9}\n  log_every: 5\n  log_every: 6\n")
+    with pytest.raises(ConfigError, match="duplicate key 'log_every'"):
+        load_config(tmp_path / "b.yaml")
 
 
 def test_missing_base_names_the_base_line(tmp_path):
