@@ -105,6 +105,25 @@ def check_loggers(cfg: Config) -> None:
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("log.wandb", True, "false, or install the wandb package it needs "
                                              "(pip install -e '.[wandb]')")
+    if cfg.log.wandb and cfg.log.wandb_mode == "online" and not _wandb_logged_in():
+        raise ConfigError("log.wandb_mode", "online", "offline (no login or network needed; `wandb sync` "
+                          "uploads later), or log in first (`wandb login`, or set WANDB_API_KEY)")
+
+
+def _wandb_logged_in() -> bool:
+    """Whether wandb.init(mode="online") finds credentials (else it fails on rank 0 after run.dir was
+    written). Asks wandb's own lookup (environment, .netrc, settings) without prompting; a wandb
+    version without that lookup is not checked here."""
+    try:
+        import wandb
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:
+        return True
+    try:
+        return authenticate_session(host=wandb.Settings().base_url, source="mode", prompt=False,
+                                    update_session=False) is not None
+    except Exception:  # e.g. a malformed key: wandb.init names it
+        return True
 
 
 def check_build_locks() -> None:

@@ -207,6 +207,30 @@ def test_wandb_without_the_package_is_refused_before_anything_is_written(tmp_pat
     assert main(args) == 0  # the same start without W&B passes
 
 
+def test_wandb_online_without_a_login_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Bug caught: log.wandb=true (online, the default) with no W&B login passed the pre-launch check;
+    rank 0 then stopped at wandb.init ("No API key configured") after writing config.yaml, tb/ and
+    a lock into run.dir. wandb's own credential lookup is asked, with no credentials anywhere."""
+    pytest.importorskip("wandb", reason="optional extra: pip install -e '.[wandb]'")
+    from mode.cli import main
+
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    args = ["train", "--print-config", "--config", str(ROOT / CFG), *TINY, f"run.dir={run}", "log.wandb=true"]
+    assert main(args) == 2
+    lines = one_line(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("config error: log.wandb_mode='online': offline"), lines
+    assert not run.exists()
+    assert main([*args, "log.wandb_mode=offline"]) == 0
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a key in the environment is a login
+    assert main(args) == 0 and not run.exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. One writer per run (in-process part: the lock itself).
 
