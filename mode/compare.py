@@ -266,7 +266,10 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
         check_runs_dir(runs, "runs_dir", shown)
     if report_dir:  # checked now, not after hours of training: a file, or a user's report.md, is refused
         from analysis.outdir import check_report_dir
+        from mode.rundir import REPORT, check_outside_runs, run_broken_by
 
+        if run_broken_by(_user_path(str(report_dir)), REPORT) not in (None, runs.resolve()):  # runs_dir may hold reports
+            check_outside_runs(str(report_dir), "report_dir", owned=REPORT)
         check_report_dir(_user_path(str(report_dir)), "report_dir", str(report_dir))
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=runs,
                       report_dir=Path(_user_path(str(report_dir))) if report_dir else None,
@@ -335,12 +338,13 @@ def check_runs_dir(d: Path, key: str, shown: str) -> None:
     """Refuse (ConfigError, before anything is written) a runs_dir that is a file, a mode run (the
     grid's entries would stop it resuming) or holds entries mode compare did not write."""
     from mode.checkpoint import CHECKPOINTS
-    from mode.rundir import existing_base
+    from mode.rundir import check_outside_runs, existing_base
     from mode.rundir import shown as listed
 
     if d.exists() and not d.is_dir():
         raise ConfigError(key, shown, "a directory for the grid (this path is a file)")
     existing_base(d, key, shown)
+    check_outside_runs(shown, key, below_only=True)  # a grid inside a run would stop that run resuming
     if not d.is_dir():
         return
     run = [n for n in (CHECKPOINTS, "tb", "run_info.json") if (d / n).exists()]

@@ -112,21 +112,23 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     return d
 
 
-def run_broken_by(out: str | Path, owned: str | None = None) -> Path | None:
+def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = False) -> Path | None:
     """The run directory that writing `out` would add a foreign entry to (a run holds only ARTEFACTS,
     else `mode train` refuses to resume it), or None. `owned`: the one top-level entry of a run this
-    writer may fill (`report` for `mode analyze`, `eval` for `mode eval`)."""
-    out, below = Path(out).expanduser().resolve(), None
-    for d in (out, *out.parents):
+    writer may fill (`report` for `mode analyze`, `eval` for `mode eval`). `below_only`: `out` itself
+    is not looked at (a compare runs_dir, which holds a LOCK of its own)."""
+    out = Path(out).expanduser().resolve()
+    below = out if below_only else None
+    for d in (out.parents if below_only else (out, *out.parents)):
         if d.is_dir() and any((d / s).exists() for s in SIGNATURES) and (below is None or below.name != owned):
             return d
         below = d
     return None
 
 
-def check_outside_runs(out: str, key: str, owned: str | None = None) -> None:
+def check_outside_runs(out: str, key: str, owned: str | None = None, below_only: bool = False) -> None:
     """ConfigError (nothing written) when writing `out` would break a run: see run_broken_by."""
-    broken = run_broken_by(out, owned)
+    broken = run_broken_by(out, owned, below_only)
     if broken is not None:
         where = f" (or its {owned}/)" if owned else ""
         raise ConfigError(key, out, f"a path outside the run directory {broken}{where}: a run holding anything "

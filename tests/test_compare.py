@@ -629,6 +629,28 @@ def test_compare_refuses_a_report_dir_holding_a_users_report_before_training(tmp
 
 
 @pytest.mark.parametrize("key", ["runs_dir", "report_dir"])
+def test_runs_dir_or_report_dir_inside_a_run_is_refused_at_load(tmp_path, monkeypatch, capsys, key):
+    """Bug caught: a runs_dir or report_dir below a mode run directory was accepted: the grid's
+    runs or the report became an entry of that run, which `mode train` then refused to resume."""
+    from mode import compare, rundir
+
+    started = stub_trainer(monkeypatch)
+    run = tmp_path / "mine"
+    _users_runs_dir("mode_run", run)
+    before = tree(run)
+    inside = run / "sub"
+    exp = stub_grid(tmp_path, **{key: str(inside)})
+    for argv in ([str(exp), "--dry-run"], [str(exp), "--only", "dense"]):
+        assert compare.main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"config error: {key}={str(inside)!r}: a path outside the run directory {run}"
+                       + (" (or its report/)" if key == "report_dir" else "")
+                       + ": a run holding anything else is refused on resume"], err
+    assert started == [] and tree(run) == before
+    rundir.check(str(run), False)  # still resumable
+
+
+@pytest.mark.parametrize("key", ["runs_dir", "report_dir"])
 def test_runs_dir_or_report_dir_that_is_a_file_is_refused_at_load(tmp_path, monkeypatch, capsys, key):
     """Bug caught: `runs_dir:` or `report_dir:` naming an existing file ended in FileExistsError,
     for report_dir only after all training. One config error line at load now, nothing run."""
