@@ -213,12 +213,13 @@ def test_cached_decoding_equals_full_causal_recompute(variant):
     _, tr = generate_ids(model, PROMPTS, max_new_tokens=9, temperature=1.0, seed=3, return_trace=True)
     T = tr.logits_BTV.shape[1]
     caches = model.new_caches(len(PROMPTS), T)
-    with torch.no_grad():
-        for t in range(T):
-            model(tr.tokens_BT[:, t: t + 1], routing="causal", pos_BS=torch.full((len(PROMPTS), 1), t), caches=caches)
+    with torch.no_grad():  # one token per step through the caches: the path prefill replaces
+        step_BTV = torch.cat([model(tr.tokens_BT[:, t: t + 1], routing="causal", caches=caches,
+                                    pos_BS=torch.full((len(PROMPTS), 1), t)).logits.float() for t in range(T)], 1)
         full = model(tr.tokens_BT[:, :T], routing="causal")
     v = tr.valid_BT  # each row computes its prompt and new tokens (prefill, then decoding)
     torch.testing.assert_close(tr.logits_BTV[v], full.logits.float()[v], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step_BTV[v], full.logits.float()[v], rtol=1e-5, atol=1e-5)
     # Which tokens each layer's cache holds: the attention's routed tokens, or all with kv: all.
     for block, c in zip(model.blocks, caches):
         attn_route = block if isinstance(block, MoDBlock) else block.attn if isinstance(block.attn, MoDBlock) else None
