@@ -260,20 +260,23 @@ def nonfinite_state(engine) -> list[str]:
     return [n for (n, _), ok in zip(tensors, finite) if not ok]
 
 
-def io_cause(e: BaseException, where: Path) -> str:
-    """One line naming why a write failed: disk full, read-only, permissions, or the error itself."""
-    probe = Path(where)
-    while not probe.exists() and probe != probe.parent:
+def io_cause(e: BaseException, where: Path | None) -> str:
+    """One line naming why a write failed: disk full, read-only, permissions, or the error itself.
+    `where`: the path written (None when the error names none: then no place is named)."""
+    probe = Path(where) if where is not None else None
+    while probe is not None and not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    free = shutil.disk_usage(probe).free if probe.exists() else None
+    free = shutil.disk_usage(probe).free if probe is not None and probe.exists() else None
     code = getattr(e, "errno", None)
     # torch's writer reports a full disk without an errno ("unexpected pos"): then the free space says it
     if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
-        return f"no space left on device ({free / 2**20:.1f} MiB free on the filesystem of {probe})"
+        return "no space left on device" + (f" ({free / 2**20:.1f} MiB free on the filesystem of {probe})"
+                                            if free is not None else "")
     if code == errno.EROFS:
-        return f"read-only file system ({probe})"
+        return "read-only file system" + (f" ({probe})" if probe is not None else "")
     if code in (errno.EACCES, errno.EPERM):
-        return f"permission denied ({getattr(e, 'filename', None) or probe})"
+        who = getattr(e, "filename", None) or probe
+        return "permission denied" + (f" ({who})" if who else "")
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}"
 

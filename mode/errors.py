@@ -35,7 +35,8 @@ def one_line(e: BaseException) -> tuple[str, int]:
         return f"error: {e}", 1
     text = " ".join(str(e).split())
     if isinstance(e, OSError) or "PytorchStreamWriter" in text or "unexpected pos" in text:
-        return f"error: {io_cause(e, Path(getattr(e, 'filename', None) or '.'))}", 1
+        where = getattr(e, "filename", None)  # None: the free space of an unknown place would mislead
+        return f"error: {io_cause(e, Path(where) if where else None)}", 1
     return f"error: {type(e).__name__}: {text[:400]} (run again with --debug for the traceback)", 1
 
 

@@ -23,7 +23,7 @@ class Loggers:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
     def __init__(self, cfg: Config, run_dir: Path, enabled: bool):
-        self.enabled, self.tb, self.wandb, self.jsonl = enabled, None, None, None
+        self.enabled, self.tb, self.wandb, self.jsonl, self.run_dir = enabled, None, None, None, run_dir
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -63,6 +63,13 @@ class Loggers:
     def write(self, scalars: dict, step: int) -> None:
         if not self.enabled or not scalars:
             return
+        try:
+            self._write(scalars, step)
+        except OSError as e:  # flush() names no file: name the run's, so a full disk is told of the right one
+            e.filename = e.filename or str(self.run_dir)
+            raise
+
+    def _write(self, scalars: dict, step: int) -> None:
         for k, v in scalars.items():
             self.tb.add_scalar(k, v, step)
         for split in ("train", "eval"):

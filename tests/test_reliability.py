@@ -442,6 +442,35 @@ def test_write_failures_name_the_cause():
         == "FileNotFoundError: [Errno 2] No such file or directory: '/proc/nope'"
 
 
+def test_disk_full_while_logging_names_the_runs_filesystem(tmp_path):
+    """Bug caught: a disk filling between checkpoints stopped the run at a metrics flush, whose
+    OSError names no file, and the line read "no space left on device (75603.3 MiB free on the
+    filesystem of .)": the current directory's free space, not the full one's."""
+    import errno
+
+    from mode.checkpoint import io_cause
+    from mode.config import load_config
+    from mode.errors import one_line as line_of
+    from mode.loggers import Loggers
+
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=64k")
+    try:
+        (disk / "run").mkdir()
+        log = Loggers(load_config(ROOT / CFG), disk / "run", True)
+        with pytest.raises(OSError) as e:
+            for step in range(100_000):
+                log.write({"train/loss": 1.0, "train/tokens_seen": step * 64, "train/flops_seen": step * 1e9}, step)
+        said, code = line_of(e.value)
+        with pytest.raises(OSError):
+            log.close()  # its buffered line cannot be written either
+    finally:
+        _umount(disk)
+    assert e.value.errno == errno.ENOSPC and code == 1
+    assert said == f"error: no space left on device (0.0 MiB free on the filesystem of {disk / 'run'})", said
+    assert io_cause(OSError(errno.ENOSPC, "No space left on device"), None) == "no space left on device"
+
+
 def test_accumulator_state_round_trip_continues_the_same_sums():
     from mode.metrics import Accumulator
 
