@@ -273,10 +273,13 @@ NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.sto
 
 
 def config_signature(run: RunLog) -> dict:
-    """The run's resolved config minus seed/run/logging keys, plus its world size."""
+    """The run's resolved config minus seed/run/logging keys, plus its world size and the schedule
+    changes it was resumed with (run_info.json)."""
     sig = {k: v for k, v in flatten(run.config).items() if not k.startswith(NOT_COMPARED)}
     if "world_size" in run.info:
         sig["world_size"] = run.info["world_size"]
+    if run.info.get("schedule_changes"):  # resumed with another LR schedule (train.allow_schedule_change)
+        sig["schedule_changes"] = run.info["schedule_changes"]
     return sig
 
 

@@ -234,17 +234,31 @@ class Trainer:
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
+            sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
+            # config.yaml holds only the last schedule: the history of changes lives here, so that
+            # `mode analyze` never averages a re-scheduled run with one trained on a single schedule
+            changes = list(self._saved_info().get("schedule_changes") or []) if saved else []
+            changes += [{"step": self.step, **{k: list(ab) for k, ab in sched.items()}}] if sched else []
+            if changes:
+                info["schedule_changes"] = changes
             rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, peak_src),
                                       self.step), flush=True)
-            sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             if sched:
                 note = (f"schedule changed at resumed step {self.step}: "
                         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sched.items())
                         + "; the LR is recomputed for the new schedule from here (train.allow_schedule_change)")
                 print(note, flush=True)
                 self.log.note("schedule_change", note, self.step)
+
+    def _saved_info(self) -> dict:
+        """The run_info.json of the run being resumed ({} if none or unreadable: it is rewritten)."""
+        try:
+            info = json.loads((self.run_dir / "run_info.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
 
     def _peak_tflops(self) -> tuple[float, str]:
         if self.cfg.perf.peak_tflops > 0:

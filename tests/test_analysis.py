@@ -395,6 +395,33 @@ def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     assert "| `dense_seed0` | `c/dense_seed0` | `dense#3` |" in md
 
 
+def test_readme_names_every_key_analyze_does_not_compare():
+    """The README's `mode analyze` paragraph is the user's only way to know which runs it averages."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    para = readme[readme.index("`mode analyze DIR` averages only runs"):][:1500]
+    missing = [k for k in tb.NOT_COMPARED if f"`{k}*`" not in para and f"`{k}`" not in para]
+    assert missing == [], missing
+
+
+def test_a_run_resumed_with_another_schedule_is_not_a_seed_of_one_trained_on_one(tmp_path):
+    """Bug caught: a run stopped at 40 steps and resumed to 60 with train.allow_schedule_change (its
+    cosine recomputed mid-run: the LR jumped back up) has the same config.yaml as a plain 60-step
+    run, and `mode analyze` averaged the two as seeds. The trainer records the change in
+    run_info.json (`schedule_changes`), and the grouping compares it."""
+    root = tmp_path / "runs"
+    _write_run(root / "dense_seed0", "dense", 0, 2.0, train__max_steps=60)
+    _write_run(root / "dense_seed1", "dense", 1, 2.4, train__max_steps=60)
+    info = json.loads((root / "dense_seed1" / "run_info.json").read_text())
+    info["schedule_changes"] = [{"step": 40, "train.max_steps": [40, 60]}]
+    (root / "dense_seed1" / "run_info.json").write_text(json.dumps(info))
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"dense#1", "dense#2"} and all(v["eval_loss"]["n"] == 1 for v in summary.values())
+    diffs = [r["config_diff"] for v in summary.values() for r in v["runs"]]
+    assert {"schedule_changes": [{"step": 40, "train.max_steps": [40, 60]}]} in diffs, diffs
+
+
 # ----------------------------------------------------------------------------------------------
 # isoFLOP (pure functions; the grid itself is too expensive for the unit tests).
 

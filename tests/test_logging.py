@@ -397,6 +397,9 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
         assert lr[step] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(step), rel=1e-6)
     assert any("schedule changed" in t for v in tb_text(run).values() for t in v)
     assert (run / "DONE").exists()
+    # config.yaml now says 12 steps: the change itself is kept for `mode analyze`
+    assert json.loads((run / "run_info.json").read_text())["schedule_changes"] == [
+        {"step": 2, "train.max_steps": [6, 12]}]
 
 
 @pytest.mark.slow
