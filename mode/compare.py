@@ -51,8 +51,9 @@ Launchers:
   is reported with its state and log and is not submitted again unless `--resubmit` is given
   (it then resumes from its newest checkpoint); the exit status is then 1 and no report is
   written. A job that COMPLETED at the run's train.stop_at stopped as asked: the report is
-  written from what exists. With `submit: false` nothing is waited for: submit the scripts, then
-  `--wait`.
+  written from what exists. With `submit: false` nothing is submitted: run the scripts (each
+  records its job id in runs_dir/slurm/<run>.jobid), then `--wait` waits for those jobs. A poll
+  that the controller does not answer (UNREACHABLE) keeps the job waited for, never resubmitted.
 
 runs_dir holds only what compare writes (LOCK, experiment.json, `<variant>_seed<k>` run directories,
 slurm/, reports): a runs_dir that is a file or a mode run, or holds anything else (a user's files, an
@@ -532,12 +533,18 @@ def describe(run: GridRun) -> str:
 
 SLURM_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                 "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED")
+# slurm_job_state's answer when SLURM's controller did not answer: the job may still run, so it is
+# waited for and never resubmitted (a second job would train the same run.dir).
+UNREACHABLE = "UNREACHABLE"
+SLURM_HELD = (*SLURM_ACTIVE, UNREACHABLE)
 SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.I)  # never written into a script file
 
 
 def slurm_job_state(job: str) -> str:
     """The job's state: squeue while SLURM holds it, then scontrol (until MinJobAge) or sacct;
-    UNKNOWN when none of them knows the job any more."""
+    UNKNOWN when none of them knows the job any more, UNREACHABLE when squeue or scontrol failed
+    otherwise (e.g. "Socket timed out": the controller is down or busy, the job may be running)."""
+    unreachable = False
     for cmd, pick in ((["squeue", "-h", "-j", job, "-o", "%T"], lambda out: out.split()[0]),
                       (["scontrol", "show", "job", "-o", job], lambda out: re.search(r"JobState=(\S+)", out)[1]),
                       (["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], lambda out: out.split()[0])):
@@ -549,7 +556,9 @@ def slurm_job_state(job: str) -> str:
                 return pick(r.stdout.strip())
         except (IndexError, TypeError):
             pass
-    return "UNKNOWN"
+        # "Invalid job id": the tool no longer knows the job. sacct fails without accounting: no answer.
+        unreachable |= r.returncode != 0 and cmd[0] != "sacct" and "invalid job id" not in r.stderr.lower()
+    return UNREACHABLE if unreachable else "UNKNOWN"
 
 
 def slurm_active_job(exp: Experiment, run: GridRun) -> str | None:
@@ -558,7 +567,7 @@ def slurm_active_job(exp: Experiment, run: GridRun) -> str | None:
         return None
     job_file = exp.runs_dir / "slurm" / f"{run.name}.jobid"
     job = job_file.read_text().strip() if job_file.is_file() else ""
-    return job if job and slurm_job_state(job) in SLURM_ACTIVE else None
+    return job if job and slurm_job_state(job) in SLURM_HELD else None
 
 
 def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
@@ -570,9 +579,12 @@ def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
     keep.update({k: str(v) for k, v in (exp.options.get("env") or {}).items()})
     keep.update(PYTHON=sys.executable, MODE_ROOT=str(ROOT))
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(keep.items()))
+    job_file = shlex.quote(str(exp.runs_dir.resolve() / "slurm" / f"{run.name}.jobid"))
     return (f"#!/usr/bin/env bash\n# {run.name}: {describe(run)}. Written by `mode compare {exp.path}`;\n"
-            f"# running it submits the run again (printing the job id).\nset -euo pipefail\n"
-            f"cd {shlex.quote(os.getcwd())}\n{exports}exec {shlex.join(command(exp, run))}\n")
+            f"# running it submits the run again, records the job id where `mode compare --wait` looks for\n"
+            f"# it and prints it.\nset -euo pipefail\n"
+            f"cd {shlex.quote(os.getcwd())}\n{exports}job=$({shlex.join(command(exp, run))})\n"
+            f"printf '%s\\n' \"${{job%%;*}}\" > {job_file}\nprintf '%s\\n' \"$job\"\n")
 
 
 def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
@@ -608,13 +620,15 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
         script = out / f"{r.name}.sh"
         script.write_text(slurm_script(exp, r, env))
         script.chmod(0o755)
-        job_file = out / f"{r.name}.jobid"
-        if not exp.options.get("submit"):
-            log(f"{tag}: {describe(r)}; submit with: bash {script}")
-            continue
-        if job_file.exists():
-            job = job_file.read_text().strip()
+        job_file = out / f"{r.name}.jobid"  # written by the script (also when the user runs it)
+        job = job_file.read_text().strip() if job_file.is_file() else ""
+        if job:
             state = slurm_job_state(job)
+            if state == UNREACHABLE:
+                log(f"{tag}: SLURM did not answer about job {job} (squeue/scontrol failed): taken as queued or "
+                    "running, not submitted again")
+                active[r.name] = job
+                continue
             if state in SLURM_ACTIVE:
                 log(f"{tag}: job {job} is queued or running ({state})")
                 active[r.name] = job
@@ -627,11 +641,14 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
                 log(f"{tag}: job {job} ended ({state}) without finishing the run; not resubmitted "
                     "(--resubmit submits it again)")
                 continue
+        if not exp.options.get("submit"):
+            log(f"{tag}: {describe(r)}; submit with: bash {script}")
+            continue
         res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
         if res.returncode != 0 or not res.stdout.strip():
             raise RuntimeError(f"{r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}")
         job = res.stdout.strip().splitlines()[-1].split(";")[0]
-        job_file.write_text(job + "\n")
+        job_file.write_text(job + "\n")  # the script wrote it too: this process reads what sbatch said
         active[r.name] = job
         log(f"{tag}: submitted job {job} ({describe(r)}); log: {_slurm_log(exp, r, job)}")
     return active, failed
@@ -646,9 +663,10 @@ def wait_slurm(exp: Experiment, runs: list[GridRun], active: dict, log, poll_s: 
         for name, job in list(active.items()):
             state = slurm_job_state(job)
             if state != last.get(name):
-                log(f"{name}: job {job} {state}")
+                log(f"{name}: job {job} {state}" + (" (SLURM did not answer: squeue/scontrol failed; polling "
+                                                    "again, the job may still run)" if state == UNREACHABLE else ""))
                 last[name] = state
-            if state in SLURM_ACTIVE:
+            if state in SLURM_HELD:
                 continue
             del active[name]
             r = by_name[name]
@@ -800,6 +818,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
         except RuntimeError as e:
             log(str(e))
             return 1
+        submitted = set(active)
         wait = a.wait if a.wait is not None else sys.stdin.isatty()
         if wait and active:
             log(f"waiting for {len(active)} job(s) (polling every {a.poll:g}s; Ctrl-C stops waiting, not the jobs)")
@@ -814,8 +833,9 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             log(f"{len(failed)} run(s) did not finish; no report. `{again_command(a, '--resubmit')}` resumes them")
             return 1
         pending = [r for r in runs if r.status != "done" and not r.extra.get("stopped")]
-        if pending and not exp.options.get("submit"):  # no job id recorded: --wait has nothing to wait for
-            log(f"{len(pending)} run(s) not submitted (submit: false); submit the scripts above (bash "
+        unsubmitted = [r for r in pending if r.name not in submitted]
+        if unsubmitted and not exp.options.get("submit"):  # the scripts record their job ids for --wait
+            log(f"{len(unsubmitted)} run(s) not submitted (submit: false); submit the scripts above (bash "
                 f"{exp.runs_dir / 'slurm'}/<run>.sh), then `{again_command(a, '--wait')}` waits for them and "
                 "writes the report")
             return 0

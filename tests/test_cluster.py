@@ -259,29 +259,36 @@ def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(t
 
 
 @pytest.mark.slow
-def test_compare_waits_again_for_its_own_running_job(tmp_path, cluster):
-    """`mode compare --no-wait`, then the same with `--wait` (its printed hint) while the job trains:
-    the run's lock is held by the grid's own job, so it is waited for, not refused as a second writer
-    (was `run.dir=... is in use by pid N`, exit 2) and not submitted again."""
+def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_outage(tmp_path, cluster):
+    """`submit: false`: compare writes the scripts, the user runs one (as its hint says), then
+    `mode compare --wait`. Bugs caught: the script recorded no job id, so `--wait` refused the run
+    as in use by another writer (the job's trainer holds its lock) or printed the same hint again;
+    and a poll while slurmctld did not answer (squeue "Socket timed out") read as UNKNOWN: the
+    running job was reported failed (exit 1, and --resubmit would have started a second job)."""
+    import threading
+
     from mode.rundir import check_lock
 
     exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
-           # long enough that the job still trains when the second compare reads the grid (400 steps
-           # finished first once, under load: "done, skipped")
+           # long enough to still train through the outage below (squeue and scontrol each wait for
+           # the controller's MessageTimeout before they fail)
            "overrides": [*RUN, "train.max_steps=2000", "checkpoint.every=2000"],
-           "launcher_options": {"num_gpus": 0, "submit": True},
+           "launcher_options": {"num_gpus": 0, "submit": False},
            "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
     path = tmp_path / "grid.yaml"
     path.write_text(yaml.safe_dump(exp))
     run, job_file = tmp_path / "runs" / "dense_seed0", tmp_path / "runs" / "slurm" / "dense_seed0.jobid"
-
-    def compare(*args):
-        return subprocess.run([PY, "-m", "mode.cli", "compare", str(path), "--poll", "1", *args], cwd=ROOT,
-                              env=cluster_env(cluster), capture_output=True, text=True, timeout=900)
-
-    r = compare("--no-wait")
-    assert r.returncode == 0 and "submitted job" in r.stderr, r.stderr
+    cmd = [PY, "-m", "mode.cli", "compare", str(path), "--poll", "1"]
+    r = subprocess.run([*cmd, "--no-wait"], cwd=ROOT, env=cluster_env(cluster), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "submit with: bash" in r.stderr and not job_file.exists(), r.stderr
+    sub = subprocess.run(["bash", str(tmp_path / "runs" / "slurm" / "dense_seed0.sh")], env=cluster_env(cluster),
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
     job = job_file.read_text().strip()
+    assert job and sub.stdout.strip().split(";")[0] == job  # recorded where compare looks, and printed
+    ctld = int((CLUSTER_DIR / "slurmctld.pid").read_text())
+    lines: list[str] = []
     try:
         end = time.monotonic() + 300
         while True:  # until the job's trainer holds the run's lock
@@ -291,12 +298,31 @@ def test_compare_waits_again_for_its_own_running_job(tmp_path, cluster):
             except Exception:
                 break
             time.sleep(0.5)
-        r = compare("--wait")
+        proc = subprocess.Popen([*cmd, "--wait"], cwd=ROOT, env=cluster_env(cluster), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        end = time.monotonic() + 120
+        while not any(f"job {job} RUNNING" in ln for ln in lines):
+            assert time.monotonic() < end and proc.poll() is None, lines
+            time.sleep(0.5)
+        os.kill(ctld, signal.SIGSTOP)  # the controller stops answering; the job keeps training
+        try:
+            end = time.monotonic() + 180
+            while not any("UNREACHABLE" in ln for ln in lines):
+                assert time.monotonic() < end and proc.poll() is None, lines
+                time.sleep(0.5)
+        finally:
+            os.kill(ctld, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=900)
+        reader.join(10)
     finally:
+        os.kill(ctld, signal.SIGCONT)
         subprocess.run(["scancel", job], env=cluster_env(cluster))
-    assert r.returncode == 0, r.stderr
-    assert f"job {job} is queued or running" in r.stderr and "submitted job" not in r.stderr, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
+    err = "".join(lines)
+    assert proc.returncode == 0, err
+    assert f"job {job} is queued or running" in err and "submitted job" not in err and "failed:" not in err, err
+    assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
     assert (run / "DONE").exists() and job_file.read_text().strip() == job
 
 

@@ -140,7 +140,7 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     assert "sbatch --job-name=grid-dense_seed0" in text and "--nodes=2 --gpus-per-node=4 --partition=gpu" in text
     assert f"{ROOT / 'launch' / 'slurm.sbatch'} --config" in text and "run.name=dense" in text
     assert "submit with: bash" in r.stderr and not r.stdout.strip() and not log.exists()
-    # submit: false records no job id, so `--wait` has nothing to wait for: the hint says to submit first
+    # submit: false submits nothing: the hint says to run the scripts (which record their job ids) first
     assert "2 run(s) not submitted (submit: false); submit the scripts above" in r.stderr, r.stderr
 
     spec = yaml.safe_load(exp.read_text())
