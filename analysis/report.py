@@ -525,7 +525,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     lines += ["## Per-layer routing", ""]
     if processed:
         src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
-                    "logs": "the training logs (MoD capacity × (1 − last logged no-op fraction))"}
+                    "logs": "the training logs (MoD capacity × (1 − last logged no-op fraction); 1 in a layer "
+                            "that routes nothing)"}
         split = sorted({v.rsplit(" (", 1)[0] for v in processed_data if v not in processed})
         lines += ["Fraction of tokens each block processes: "
                   + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items() if v not in split)
@@ -534,7 +535,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
                   f"(step {_last_log_steps(runs)}, training batches), not the eval batch.", ""]
     fig = plot_per_layer([(processed_data, "fraction of tokens processed",
-                           "per layer: bars top-k, diamonds causal routing", causal)],
+                           "per layer: bars top-k" + (", diamonds causal routing" if causal else ""), causal)],
                          colors, out_dir / "routing_per_layer.png")
     if fig:
         lines += [f"![]({fig.name})", ""]
