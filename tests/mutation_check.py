@@ -186,6 +186,18 @@ MUTANTS = [
     ("a holder's fd closing mid-scan skips the busy holder", "mode/lifeline.py",
      "                continue  # closed since it was listed",
      "                break  # closed since it was listed", CKPT),
+    ("W&B online without a login passes the pre-launch check", "mode/train.py",
+     'if cfg.log.wandb and cfg.log.wandb_mode == "online" and not _wandb_logged_in():',
+     'if False:', CKPT),
+    # Configs, runs and reports
+    ("a YAML merge key is constructed like any key", "mode/config.py",
+     '            if k.tag == "tag:yaml.org,2002:merge":', '            if False:', ["tests/test_config.py"]),
+    ("a re-scheduled run is a seed of plain runs", "analysis/tb.py",
+     '    if run.info.get("schedule_changes"):', '    if False:', ["tests/test_analysis.py"]),
+    ("a grid inside a run is accepted", "mode/compare.py",
+     "    check_outside_runs(shown, key, below_only=True)", "    pass", ["tests/test_compare.py"]),
+    ("a full disk at a metrics write names the cwd", "mode/loggers.py",
+     "            e.filename = e.filename or str(self.run_dir)", "            pass", CKPT),
 ]
 
 
