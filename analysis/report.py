@@ -273,15 +273,18 @@ def run_plan(run: RunLog):
 
 def processed_frac_from_logs(run: RunLog) -> np.ndarray | None:
     """[L] fraction of tokens whose MLP update each block computes, when no routing dump exists:
-    the depth-routing capacity of the block (or of its MLP, decoupled) times (1 − no-op
-    fraction) in MoE layers."""
+    the depth-routing capacity of the block (or of its MLP, decoupled) times, in MoE layers, the
+    fraction of the tokens it sees that a real expert processed (`engaged_frac`: neither dropped
+    nor sent only to no-ops). Runs logged before that tag: 1 − no-op share of routes, which
+    ignores drops (approximate)."""
     plan = run_plan(run)
     if plan is None:
         return None
     frac = np.array([lp.mlp_frac() for lp in plan])
     for lp in plan:
-        if lp.mlp == "moe" and run.last(f"moe/layer{lp.index}/noop_frac") is not None:
-            frac[lp.index] *= 1.0 - run.last(f"moe/layer{lp.index}/noop_frac")
+        engaged, noop = (run.last(f"moe/layer{lp.index}/{t}") for t in ("engaged_frac", "noop_frac"))
+        if lp.mlp == "moe" and (engaged is not None or noop is not None):
+            frac[lp.index] *= engaged if engaged is not None else 1.0 - noop
     return frac
 
 
@@ -525,8 +528,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     lines += ["## Per-layer routing", ""]
     if processed:
         src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
-                    "logs": "the training logs (MoD capacity × (1 − last logged no-op fraction); 1 in a layer "
-                            "that routes nothing)"}
+                    "logs": "the training logs (MoD capacity × the last logged fraction of tokens a real expert "
+                            "processed, `engaged_frac`; 1 in a layer that routes nothing)"}
         split = sorted({v.rsplit(" (", 1)[0] for v in processed_data if v not in processed})
         lines += ["Fraction of tokens each block processes: "
                   + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items() if v not in split)

@@ -488,7 +488,15 @@ def test_processed_fraction_from_logs_reads_the_layer_plan():
     assert dec.tolist() == [1.0, 1.0, 0.5, 1.0]  # the fraction whose MLP update is computed
     integ = report.processed_frac_from_logs(run_of({"layers": "none"}, {"layers": [1], "num_noop_experts": 2},
                                                    {"moe/layer1/noop_frac": 0.25}))
-    assert integ.tolist() == [1.0, 0.75, 1.0, 1.0]
+    assert integ.tolist() == [1.0, 0.75, 1.0, 1.0]  # logged before engaged_frac: 1 - no-op share of routes
+    # Bug caught: that formula let a dropping MoE show 1.0 and counted a token with one no-op and
+    # one real route as skipped; the logged engaged fraction holds both, scaled by the MoD capacity.
+    drop = report.processed_frac_from_logs(run_of({"layers": "none"}, {"layers": [1], "capacity_factor": 0.5},
+                                                  {"moe/layer1/engaged_frac": 0.6, "moe/layer1/noop_frac": 0.0}))
+    assert drop.tolist() == [1.0, 0.6, 1.0, 1.0]
+    staged = report.processed_frac_from_logs(run_of({"layers": [2], "capacity": 0.5}, {"layers": [2]},
+                                                    {"moe/layer2/engaged_frac": 0.9}))
+    assert staged.tolist() == [1.0, 1.0, 0.45, 1.0]
     assert report.processed_frac_from_logs(tb.RunLog(Path("/x"), "v", 0)) is None  # no config: no guess
 
 

@@ -100,6 +100,7 @@ def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=T
     metrics = {
         "dropped_routes_frac": (counts.sum() - len(kept)) / counts.sum(),
         "dropped_tokens_frac": torch.tensor(len(asked - got) / n),
+        "engaged_frac": torch.tensor(len(got) / n),  # a real expert processed >= 1 of its routes
         "load_max": kept_e.max() * E / (K * n),
         "load_mean": kept_e.mean() * E / (K * n),
         "lb_loss": lb,
@@ -333,7 +334,8 @@ def test_lm_collects_moe_metrics():
     torch.manual_seed(0)
     lm = build_model(cfg)
     out = lm(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
-    names = {"dropped_tokens_frac", "dropped_routes_frac", "noop_frac", "load_max", "load_mean", "lb_loss", "z_loss"}
+    names = {"dropped_tokens_frac", "dropped_routes_frac", "engaged_frac", "noop_frac", "load_max", "load_mean",
+             "lb_loss", "z_loss"}
     assert {f"moe/layer1/{n}" for n in names} <= set(out.metrics)
     assert float(out.aux_loss.detach()) > 0
     (out.loss + out.aux_loss).backward()

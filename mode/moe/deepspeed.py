@@ -135,11 +135,15 @@ class DeepSpeedMoE(MoEBase):
             aux, metrics, engaged_T = r.aux_loss, r.metrics, r.engaged_T
         else:  # derive drops from the stock gate's capacity and counts
             _, C, _, idx_KT, _, _, _ = self._stock
-            keep_TK = idx_KT.t() >= 0
-            real_TK = torch.ones_like(keep_TK)
+            # metrics over valid tokens only, as the native router's (the stock gate routes padding too)
+            real_TK = torch.ones_like(idx_KT.t(), dtype=torch.bool)
+            n_valid = B * S
+            if valid_BS is not None:
+                real_TK = real_TK & valid_BS.reshape(-1, 1).bool()
+                n_valid = valid_BS.sum()
+            keep_TK = (idx_KT.t() >= 0) & real_TK
             aux = self.lb_weight * l_aux
-            metrics = route_metrics(keep_TK, real_TK, None, counts_E, counts_E.clamp(max=int(C)),
-                                    B * S, l_aux)
+            metrics = route_metrics(keep_TK, real_TK, None, counts_E, counts_E.clamp(max=int(C)), n_valid, l_aux)
             engaged_T = keep_TK.any(-1)
         if valid_BS is not None and self.stock_gate:
             y_BSD = y_BSD * valid_BS[..., None].to(y_BSD.dtype)  # the stock top-2 gate routes padding too

@@ -219,6 +219,9 @@ def route_metrics(keep_TK, real_TK, noop_TK, counts_E, kept_E, n_valid, lb, z=No
         "dropped_routes_frac": (demand - kept_E.sum()).float() / demand.clamp(min=1).float(),
         # tokens that asked for >= 1 real expert and got none / valid tokens
         "dropped_tokens_frac": dropped_tok.float() / n_tok,
+        # tokens with >= 1 route a real expert processed / valid tokens: the layer's processed
+        # fraction (what neither a drop nor the no-op experts took), comparable across variants
+        "engaged_frac": keep_TK.any(-1).sum().float() / n_tok,
         # expert load = kept routes of expert e / (K*T/E), its share under perfect balance:
         # load_max is the busiest expert (<= ~capacity_factor when dropping), load_mean the
         # fraction of all routes processed by real experts (1 - dropped - no-op shares).
