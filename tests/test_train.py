@@ -221,6 +221,27 @@ def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
     assert all(p.grad is None for p in ps) and all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
+def test_init_scales_megablocks_expert_down_projection_like_the_others():
+    """Bug caught: MegaBlocks names its experts' down projection `experts.mlp.w2` ([E*F, D]), which
+    the output-projection rule missed: MegaBlocks runs started with it at the full init_std while
+    native and DeepSpeed experts' w_out were scaled. MegaBlocks needs CUDA; the rule is checked
+    on its parameter names (megablocks.layers.mlp: w1, v1, w2)."""
+    import torch
+    from torch import nn
+
+    from mode.model.layers import init_weights
+
+    mlp = nn.Module()
+    for n in ("w1", "v1", "w2"):
+        setattr(mlp, n, nn.Parameter(torch.empty(4 * 64, 32)))
+    layer = nn.Module()
+    layer.experts = nn.Module()
+    layer.experts.mlp = mlp
+    init_weights(layer, std=0.02, n_layers=8, seed=0)
+    assert abs(float(mlp.w2.std()) / (0.02 / 16 ** 0.5) - 1) < 0.1
+    assert all(abs(float(getattr(mlp, n).std()) / 0.02 - 1) < 0.1 for n in ("w1", "v1"))
+
+
 def test_init_scales_residual_output_projections_by_depth():
     """Bug caught: the output projections of residual branches (attention out, MLP and expert
     w_out) initialised at init_std instead of init_std / sqrt(2 * n_layers) (GPT-2), or the

@@ -180,7 +180,10 @@ def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None =
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                s = std / math.sqrt(2 * n_layers) if name.endswith(("out.weight", "w_out.weight", "w_out")) else std
+                # residual-branch outputs: attention/MLP `out`, native/DeepSpeed experts' `w_out`,
+                # MegaBlocks experts' `w2` (its [E*F, D] down projection)
+                out = name.endswith(("out.weight", "w_out.weight", "w_out", "experts.mlp.w2"))
+                s = std / math.sqrt(2 * n_layers) if out else std
                 g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(getattr(p, "init_key", name).encode()))
                                                   % 2**63)
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)

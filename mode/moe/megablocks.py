@@ -64,7 +64,7 @@ class MegaBlocksMoE(MoEBase):
             moe_num_experts=m.num_experts, moe_top_k=1,  # each kept route is one pseudo-token
             moe_loss_weight=0.0,  # our router owns the load-balancing loss
             fp16=False, bf16=True, device=torch.cuda.current_device(),  # grouped_gemm is bf16-only
-            init_method=init,
+            init_method=init,  # both overwritten by LM's init_weights (by parameter name), as every backend
             output_layer_init_method=partial(nn.init.normal_, mean=0.0,
                                              std=cfg.init_std / math.sqrt(2 * cfg.n_layers)))
         self.experts = ParallelDroplessMLP(args)
