@@ -71,9 +71,10 @@ class MoDBlock(nn.Module):
             idx_BK = topk_sorted(sel_scores_BS.detach(), k)
             valid_BK = None
             member_BS = torch.zeros_like(r_BS).scatter_(1, idx_BK, 1.0)
+            # metrics first: the threshold is scored on a batch it has not yet seen (as the predictor)
+            self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)
             if self.training and self.router.has_threshold:
                 self.router.update_threshold(r_BS, k)
-            self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)
             self.metrics["processed_frac"] = member_BS.mean()
             sel_BS = member_BS.bool()
         elif ctx.routing == "causal":

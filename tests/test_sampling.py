@@ -289,6 +289,33 @@ def test_threshold_is_an_ema_of_the_kth_largest_score():
     assert 0 < int(blk.last_selected_BS.sum()) < blk.last_selected_BS.numel()
 
 
+def test_threshold_metrics_score_a_batch_the_threshold_has_not_seen():
+    """Bug caught: the EMA stepped before the metrics were computed, so `threshold_acc` and
+    `causal_processed_frac` scored each training batch against a threshold already fitted to it
+    (at the first step: its own k-th score). Reference: the threshold of the previous step."""
+    model = model_of("threshold", "model.mod.threshold_momentum=0.5").train()
+    blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
+    lin = blk.router.router
+    scores = []
+    blk.register_forward_pre_hook(lambda mod, args: scores.append(
+        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    g = torch.Generator().manual_seed(0)
+    S, k = 32, round(0.125 * 32)
+    for _ in range(3):
+        before = blk.router.threshold.item()
+        out = model(torch.randint(0, 64, (4, S), generator=g))
+        r = scores[-1]
+        member = torch.zeros_like(r).scatter_(1, r.topk(k, dim=1).indices, 1.0).bool()
+        decide = r > before
+        tag = next(t for t in out.metrics if t.endswith("/threshold_acc"))
+        layer = tag.rsplit("/", 1)[0]
+        assert out.metrics[f"{layer}/threshold"].item() == pytest.approx(before, abs=1e-6)
+        assert out.metrics[tag].item() == pytest.approx((decide == member).double().mean().item(), abs=1e-6)
+        assert out.metrics[f"{layer}/causal_processed_frac"].item() == pytest.approx(decide.double().mean().item(),
+                                                                                      abs=1e-6)
+        assert blk.router.threshold.item() != before  # and then the EMA stepped
+
+
 def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing():
     # Bug caught: activation checkpointing re-runs each block's forward in backward, and the re-run
     # stepped the EMA a second time (momentum m became m^2, threshold_updates counted double).
