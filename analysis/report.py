@@ -27,6 +27,7 @@ import numpy as np
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, forward_flops_per_token, group_by_variant, load_runs,
                          skipped_line, variant_colors, variant_sort_key)
+from mode.console import si
 
 
 class NoRuns(ValueError):
@@ -91,13 +92,6 @@ class Metric:
     constant: bool = False  # a property of the model (params, FLOPs): no spread shown when seeds agree
 
 
-def _si(x: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
-
-
 def _rate(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
@@ -109,8 +103,8 @@ METRICS: list[Metric] = [
     Metric("eval_loss_causal", "eval loss (causal routing)", lambda r: r.last("eval/loss_causal"),
            lambda x: f"{x:.4f}"),
     Metric("causal_gap", "causal − top-k", causal_gap, lambda x: f"{x:+.4f}"),
-    Metric("params", "params", lambda r: r.info.get("params"), _si, constant=True),
-    Metric("flops_per_token", "fwd FLOPs/token", forward_flops_per_token, _si, constant=True),
+    Metric("params", "params", lambda r: r.info.get("params"), si, constant=True),
+    Metric("flops_per_token", "fwd FLOPs/token", forward_flops_per_token, si, constant=True),
     Metric("tokens_per_s", "tokens/s", lambda r: median_after_warmup(r, "perf/tokens_per_s"), _rate),
     Metric("step_time_s", "step time (s)", lambda r: median_after_warmup(r, "perf/step_time_s"), lambda x: f"{x:.4g}"),
     Metric("mfu", "MFU", lambda r: median_after_warmup(r, "perf/mfu"), lambda x: f"{x:.2%}"),

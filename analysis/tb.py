@@ -26,9 +26,9 @@ import numpy as np
 import yaml
 
 from mode.config import flatten
+from mode.routed import TRAIN_FLOPS_PER_FORWARD_FLOP  # noqa: F401  (the trainer's convention; report/isoflop use it)
 
 EVENT_GLOB = "events.out.tfevents.*"
-TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward)
 _SEED_SUFFIX = re.compile(r"^(?P<variant>.+?)[_-]seed(?P<seed>\d+)$")
 
 

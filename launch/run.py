@@ -4,9 +4,10 @@
 
 The config is resolved and checked (values, the world size against model.moe.ep_size, the
 tokenizer's vocabulary, an existing run directory written by another config) *before* any
-worker starts: a bad config prints one `config error: ...` line and exits 2. Then this process
-is replaced (exec) by the launcher, so signals (SIGTERM from SLURM, Ctrl-C) reach it directly
-and the exit status is the launcher's.
+worker starts: a bad config prints one `config error: ...` line and exits 2. Then, on one node,
+this process is replaced (exec) by the launcher, so signals (SIGTERM from SLURM, Ctrl-C) reach it
+directly and the exit status is the launcher's; for several nodes it runs DeepSpeed's runner as a
+child and passes its exit status on.
 
 Launchers:
 
@@ -122,7 +123,7 @@ def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: in
 def validate(config: str, overrides: list[str], world: int, node_rank: int | None = None,
              prepare_data: bool = True):
     """Resolve the config for `world` ranks and run the trainer's preflight and world-size check
-    (here, once, instead of in every rank); raises ConfigError. Only node 0 checks the run
+    here, before any rank starts (the ranks check again, cheaply); raises ConfigError. Only node 0 checks the run
     directory's lock: another node's launcher may start after rank 0 took it. `prepare_data=False`
     (--dry-run): the same data checks, nothing prepared (--validate-only prepares: slurm.sbatch
     prepares the data in its one process before the ranks start)."""

@@ -11,18 +11,21 @@ from mode.config import Config
 from mode.plan import layer_plan
 
 
-def _si(x: float) -> str:
+def si(x: float) -> str:
+    """1.23M, 4.5G: a count or rate with an SI prefix (the console's and the report's)."""
     for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= div:
             return f"{x / div:.3g}{unit}"
     return f"{x:.3g}"
 
 
-def active_params(cfg: Config, total: int, flops: dict) -> int:
+def active_params(cfg: Config, total: int) -> int:
     """Parameters one token can use: an MoE layer contributes top_k of its E experts (at most)."""
+    from mode.mlp import MLP
+
     moe = cfg.model.moe
     n_moe = sum(p.mlp == "moe" for p in layer_plan(cfg.model))
-    per_expert = (3 if cfg.model.mlp == "swiglu" else 2) * cfg.model.d_model * (moe.d_expert or cfg.model.d_ff)
+    per_expert = MLP.cost(cfg.model.d_model, moe.d_expert or cfg.model.d_ff, cfg.model.mlp).params
     return total - n_moe * max(0, moe.num_experts - moe.top_k) * per_expert
 
 
@@ -58,8 +61,8 @@ def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak:
         + (f" (resuming at step {resumed_step})" if resumed_step else ""),
         f"model    d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}; "
         + routing_summary(cfg),
-        f"params   {params:,} total, {active_params(cfg, params, flops):,} active per token",
-        f"FLOPs    {_si(flops['forward_flops_per_token'])} forward per token (training: 3x), "
+        f"params   {params:,} total, {active_params(cfg, params):,} active per token",
+        f"FLOPs    {si(flops['forward_flops_per_token'])} forward per token (training: 3x), "
         f"peak {peak[0]:.4g} TFLOP/s per device ({peak[1]})",
         f"data     {d.source}, tokenizer {d.tokenizer}, seq_len {d.seq_len}",
         f"batch    {t.micro_batch_size} x {t.grad_accum} accum x {world} ranks = {gbatch} sequences "

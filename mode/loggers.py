@@ -102,13 +102,3 @@ def _wandb_id(run_dir: Path) -> str:
 
         f.write_text(uuid.uuid4().hex[:16])
     return f.read_text().strip()
-
-
-def read_jsonl(path: str | Path) -> dict[int, dict]:
-    """step -> row of a metrics.jsonl; a resumed run may re-log a step: the last line wins."""
-    out: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out[row["step"]] = row
-    return out

@@ -1,11 +1,13 @@
-"""On-device metric accumulation; one all-reduce and one host read per logging step; rank 0
-writes TensorBoard."""
+"""On-device metric accumulation (one all-reduce and one host read per logging step) and the
+efficiency metrics (MFU, TFLOP/s, memory); mode/loggers.py writes them."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from mode.routed import TRAIN_FLOPS_PER_FORWARD_FLOP  # noqa: F401  (train.py imports it from here)
 
 
 def is_max(key: str) -> bool:
@@ -58,30 +60,8 @@ class Accumulator:
         return dict(zip(mean_keys + max_keys, vals))
 
 
-class TBWriter:
-    def __init__(self, log_dir: Path, enabled: bool):
-        self.w = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.w = SummaryWriter(str(log_dir))
-
-    def write(self, scalars: dict, step: int) -> None:
-        if self.w is None:
-            return
-        for k, v in scalars.items():
-            self.w.add_scalar(k, v, step)
-        self.w.flush()
-
-    def close(self) -> None:
-        if self.w is not None:
-            self.w.close()
-
-
 # ----------------------------------------------------------------------------------------------
 # Efficiency: model FLOPs utilisation against a per-device peak.
-
-TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0  # forward + backward (~2x forward), the convention of analysis/report.py
 
 # Dense peak TFLOP/s per device from the vendors' datasheets (SXM parts; bf16 tensor cores without
 # sparsity, fp32 = plain FP32 without TF32).

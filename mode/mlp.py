@@ -15,6 +15,14 @@ from torch import nn
 from mode.routed import Cost
 
 
+def activation(h: torch.Tensor, kind: str) -> torch.Tensor:
+    """The hidden activation of a dense MLP or an expert: SwiGLU on [gate | up], or exact GELU."""
+    if kind == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
 class MLP(nn.Module):
     def __init__(self, d_model: int, d_ff: int, kind: str = "swiglu"):
         super().__init__()
@@ -23,13 +31,7 @@ class MLP(nn.Module):
         self.w_out = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS=None, routing: str = "topk") -> torch.Tensor:
-        h = self.w_in(x_BSD)
-        if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.w_out(h)
+        return self.w_out(activation(self.w_in(x_BSD), self.kind))
 
     @staticmethod
     def cost(d: int, f: int, kind: str) -> Cost:

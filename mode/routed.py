@@ -58,6 +58,11 @@ class Ctx:
         return replace(self, **kw)
 
 
+# Training FLOPs per forward FLOP: forward + backward (~2x forward). The one convention of MFU,
+# TFLOP/s, train/flops_seen and the report's FLOP axes.
+TRAIN_FLOPS_PER_FORWARD_FLOP = 3.0
+
+
 @dataclass(frozen=True)
 class Cost:
     """What a unit reports about itself: its parameters and its forward FLOPs per token it

@@ -230,7 +230,7 @@ class Trainer:
         if self.rank == 0:
             params = sum(p.numel() for p in self.model.parameters())
             info = {"name": cfg.run.name or self.run_dir.name, "seed": cfg.train.seed, "params": params,
-                    "active_params": console.active_params(cfg, params, self.flops),
+                    "active_params": console.active_params(cfg, params),
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
@@ -463,15 +463,6 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
         return last
-
-
-def train(cfg: Config) -> dict:
-    """Train (or resume) the run in cfg.run.dir; a run that already finished is left untouched."""
-    msg = finished(cfg)
-    if msg:
-        print(msg, flush=True)
-        return json.loads((Path(cfg.run.dir) / "DONE").read_text() or "{}")
-    return Trainer(cfg).fit()
 
 
 def main(argv=None) -> int:

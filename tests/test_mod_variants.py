@@ -300,7 +300,7 @@ def test_active_params_counts_top_k_of_each_layers_experts(preset):
     total = sum(p.numel() for p in model.parameters())
     E, k = cfg.model.moe.num_experts, cfg.model.moe.top_k
     unused = sum(p.numel() // E * (E - k) for n, p in model.named_parameters() if n.endswith((".w_in", ".w_out")))
-    assert active_params(cfg, total, {}) == total - unused
+    assert active_params(cfg, total) == total - unused
 
 
 @pytest.mark.slow

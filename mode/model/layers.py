@@ -1,7 +1,7 @@
 """Transformer layers that know where their tokens sit.
 
 Shape legend: B batch, S sequence (or the k gathered tokens of a routed block), D d_model,
-H heads, Dh head dim, F MLP hidden, L cache length.
+H heads, E head dim, R rotary pairs (E/2), L cache length, T key positions, N rows of a call.
 
 Attention takes explicit position ids `pos_BS` so that a Mixture-of-Depths block can run on a
 gathered subset of tokens and still give each its *original* rotary position, and an optional

@@ -1,6 +1,6 @@
 """Mixture-of-Experts MLPs behind one interface, whatever the backend.
 
-`build_moe_mlp(cfg, layer_idx)` returns a module with `forward(x_BSD, valid_BS=None) -> y_BSD`
+`build_moe_mlp(cfg, layer_idx)` returns a module with `forward(x_BSD, valid_BS=None, routing="topk") -> y_BSD`
 (the MLP output: the weighted sum of the token's surviving real-expert routes, zero for tokens
 with none; `valid_BS` False marks padding, excluded from routing and capacity) that is `Routed`:
 after each forward it holds `aux_loss`, `metrics` (on-device scalars, logged under

@@ -22,19 +22,12 @@ CPU this measured faster than one batched matmul over the padded [E, C, D] buffe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModelConfig
+from mode.mlp import activation
 from mode.moe.base import MoEBase
 from mode.routing.experts import ExpertRouter, Routing
-
-
-def activation(h: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "swiglu":  # same layout as layers.MLP: [gate | up]
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h)
 
 
 def grouped_mlp(x_MD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EFD: torch.Tensor, sizes: list[int],
