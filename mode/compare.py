@@ -507,16 +507,11 @@ def status(run: GridRun) -> tuple[str, int]:
     d = run.dir
     if run.cfg.run.fresh:  # the trainer deletes the directory and starts over
         return "new", 0
-    if (d / "DONE").exists():
-        saved = d / "config.yaml"
-        try:
-            old = yaml.safe_load(saved.read_text()) if saved.exists() else {}
-        except (yaml.YAMLError, UnicodeDecodeError):
-            old = {}
-        if isinstance(old, dict) and (old.get("train") or {}).get("max_steps") == run.cfg.train.max_steps:
-            return "done", run.cfg.train.max_steps
     step = ckpt.latest_step(d)
-    return ("new", 0) if step is None else ("resume", step)
+    if step is None:
+        return "new", 0
+    # the trainer's own rule (mode.train.finished): finished = DONE and a checkpoint at max_steps
+    return ("done", step) if (d / "DONE").exists() and step >= run.cfg.train.max_steps else ("resume", step)
 
 
 def describe(run: GridRun) -> str:

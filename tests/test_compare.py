@@ -550,6 +550,34 @@ def stub_trainer(monkeypatch) -> list[str]:
     return started
 
 
+def test_compare_calls_a_run_done_exactly_when_the_trainer_does(tmp_path):
+    """Bug caught: compare called a run done when DONE existed and config.yaml's max_steps equalled
+    the grid's, the trainer when DONE existed and the newest checkpoint reached max_steps: with a
+    lower max_steps (or an unreadable config.yaml) compare "resumed" a run the trainer then left
+    alone as finished. Both now apply the trainer's rule (mode.train.finished)."""
+    from mode import checkpoint as ckpt
+    from mode import compare
+    from mode.config import load_config
+    from mode.train import finished
+
+    exp = compare.load_experiment(stub_grid(tmp_path))
+    [run] = compare.expand(exp, only=["dense"])
+    run.cfg = load_config(run.config, run.overrides)
+    step = ckpt.step_dir(ckpt.checkpoints_dir(run.dir), 6)
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"weights")
+    ckpt.write_manifest(step, 6)
+    (run.dir / "config.yaml").write_text("train: {max_steps: 6}\n")
+    for max_steps, done, want in ((4, True, "done"), (6, True, "done"), (8, True, "resume"), (6, False, "resume")):
+        (run.dir / "DONE").write_text("{}") if done else (run.dir / "DONE").unlink()
+        run.cfg.train.max_steps = max_steps
+        assert compare.status(run)[0] == want, (max_steps, done)
+        assert (finished(run.cfg) is not None) == (want == "done"), (max_steps, done)
+    (run.dir / "config.yaml").write_bytes(b"\xff\x00")  # unreadable: the rule does not read it
+    (run.dir / "DONE").write_text("{}")
+    assert compare.status(run)[0] == "done" and finished(run.cfg) is not None
+
+
 def stub_grid(tmp_path: Path, **extra) -> Path:
     return experiment(tmp_path, overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"],
                       **extra)
