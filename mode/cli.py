@@ -142,10 +142,11 @@ def _data(argv) -> int:
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     a = p.parse_args(argv[1:])
     from mode.config import load_config
-    from mode.data import check_data
+    from mode.data import check_data, check_vocab
     from mode.prepare import prepare, read_manifest
 
     cfg = load_config(a.config, a.overrides)
+    check_vocab(cfg)  # before hours of tokenizing, as `mode train` does
     path = prepare(cfg.data, force=a.force, progress=cfg.log.progress)
     check_data(cfg)  # the config that prepared it can also train on it
     m = read_manifest(path)

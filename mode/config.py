@@ -237,9 +237,9 @@ class DataConfig:
     source: str = "stdlib"
     """`stdlib` (the running interpreter's standard-library sources: always on disk), a local file/dir/glob, or a hub dataset name (streamed)."""
     format: str = "auto"
-    """Local file format: `auto` (from the extension), `text`, `json` (also jsonl) or `parquet`."""
+    """Local file format: `auto` (from the extension: .json/.jsonl, .parquet, .csv/.tsv, anything else text), `text`, `json` (also jsonl), `parquet` or `csv` (comma-separated; tab-separated for .tsv files); json/parquet/csv read the column data.text_key."""
     text_key: str = "text"
-    """Column holding the document text (json/parquet/hub)."""
+    """Column holding the document text (json/parquet/csv/hub)."""
     hub_split: str = "train"
     """Split to read from a hub dataset."""
     hub_config: str = ""
@@ -265,11 +265,11 @@ class DataConfig:
     num_workers: int = 0
     """Tokenizer processes of the prepare step; 0 = the cores this process may use (its CPU affinity, e.g. a SLURM allocation)."""
     shard_tokens: int = 268435456
-    """Tokens per shard file of the prepare step (a shard ends at the first document boundary past it); a killed prepare resumes after its last complete shard."""
+    """Tokens per shard file of the prepare step (a shard ends at the end of the first encode batch past it: up to 4,096 documents or ~1 MB of text, so small values give larger shards); a killed prepare resumes after its last complete shard."""
 
     def validate(self) -> None:
-        _check(self.format in ("auto", "text", "json", "parquet"), "data.format", self.format,
-               "auto, text, json or parquet")
+        _check(self.format in ("auto", "text", "json", "parquet", "csv"), "data.format", self.format,
+               "auto, text, json, parquet or csv")
         _check(self.sample_by in ("document", "paragraph", "line"), "data.sample_by", self.sample_by,
                "document, paragraph or line")
         _check(self.seq_len >= 2, "data.seq_len", self.seq_len, ">= 2")

@@ -163,15 +163,21 @@ def open_prepared(cfg: DataConfig, progress: bool = False, raise_limit: bool = F
     return path, manifest
 
 
+def check_vocab(cfg: Config):
+    """The tokenizer (returned) fits model.vocab_size: checked before anything is tokenized."""
+    tok = build_tokenizer(cfg.data)
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
+    return tok
+
+
 def check_data(cfg: Config, write: bool = True) -> Path:
     """The pre-launch data check: the tokenizer fits the model, the data is prepared (preparing it
     now if not: every bad input is found here, before any worker starts or run.dir is written),
     the manifest matches the config, and each split holds at least one sequence. `write=False`
     (`--print-config`) makes the same checks without preparing: unprepared sources are read only
     until each split holds one sequence. Returns the prepared directory (existing or not)."""
-    tok = build_tokenizer(cfg.data)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's vocabulary {tok.vocab_size}")
+    tok = check_vocab(cfg)
     S = cfg.data.seq_len
     if write:
         path, manifest = open_prepared(cfg.data, progress=cfg.log.progress)

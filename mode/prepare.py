@@ -41,13 +41,13 @@ MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
 FORMAT = "mode-prepared-v1"
 EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
-              ".jsonl": "json", ".parquet": "parquet"}
+              ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
 # Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
 # hub_config is left out while empty: data prepared before the key existed keeps its directory.
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
               "eos_token", "val_fraction", "max_documents", "split_seed")
 HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
-DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet")  # not code: a corpus of .py files may hold test.py
+DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv")  # not code: a corpus of .py files may hold test.py
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
@@ -288,9 +288,16 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
         fmt = _format(cfg, files, key, spec)
-        if fmt in ("text", "json"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
+        if fmt in ("text", "json", "csv"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
             check_utf8(files, key, spec)
+        if fmt == "text" and cfg.sample_by == "document" and len(files) == 1 and which == "source" \
+                and not cfg.val_source and os.path.getsize(files[0]):  # one document: all trained on or all held out
+            raise ConfigError(key, spec, "a source of several documents; one text file is one document with "
+                              "data.sample_by=document, so it would all go to training or all to validation: set "
+                              "data.sample_by=paragraph or line, or a validation source data.val_source")
         kw = {"sample_by": cfg.sample_by} if fmt == "text" else {}
+        if fmt == "csv" and all(f.lower().endswith(".tsv") for f in files):
+            kw = {"sep": "\t"}
         try:
             ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kw)
         except Exception as e:  # noqa: BLE001
@@ -325,10 +332,12 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         rows = itertools.chain([first], _local_rows(it, key, spec) if local else it)
         if cfg.max_documents:
             rows = itertools.islice(rows, cfg.max_documents)
-        for row in rows:
+        for i, row in enumerate(rows):
             text = row.get(cfg.text_key)
             if not isinstance(text, str):
-                raise ConfigError("data.text_key", cfg.text_key, f"a column of strings (got {type(text).__name__})")
+                got = "no such column" if cfg.text_key not in row else f"{type(text).__name__}"
+                raise ConfigError("data.text_key", cfg.text_key, f"a column of strings in every row (row {i} of "
+                                  f"{spec}: {got})")
             yield text
 
     return docs(), desc, files
@@ -913,7 +922,10 @@ def usable_cores() -> int:
 
 def _refuse_empty(cfg: DataConfig, train_tokens: int, val_tokens: int, train_documents: int) -> None:
     if train_tokens == 0:
-        raise ConfigError("data.source", cfg.source, "a corpus with at least one non-empty training document")
+        held = "" if cfg.val_source or not val_tokens else (
+            f"; every document went to validation (data.val_fraction={cfg.val_fraction}: a text file is one document "
+            "with data.sample_by=document): set data.sample_by=paragraph or line, add documents, or set data.val_source")
+        raise ConfigError("data.source", cfg.source, "a corpus with at least one non-empty training document" + held)
     if val_tokens == 0:
         if cfg.val_source:
             raise ConfigError("data.val_source", cfg.val_source, "a source with at least one non-empty document")

@@ -31,6 +31,9 @@ def corpus(tmp_path_factory):
     import datasets
 
     datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(d / "docs.parquet"))
+    datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS}).to_csv(str(d / "docs.csv"), index=False)
+    datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS}).to_csv(str(d / "docs.tsv"), index=False,
+                                                                                   sep="\t")
     return d
 
 
@@ -54,9 +57,10 @@ def documents(path: Path, split: str, tok=ByteTokenizer()) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet", "csv", "tsv"])
 def test_local_formats_give_the_same_documents(corpus, tmp_path, fmt):
-    src = {"jsonl": corpus / "docs.jsonl", "txt": corpus / "txt", "parquet": corpus / "docs.parquet"}[fmt]
+    # csv/tsv: was read as plain text (a .csv trained on its commas, quotes and ids)
+    src = corpus / ("txt" if fmt == "txt" else f"docs.{fmt}")
     cfg = dcfg(tmp_path, source=str(src), text_key="body" if fmt == "jsonl" else "text")
     path = prep.prepare(cfg, progress=False)
     train, val = documents(path, "train"), documents(path, "val")
@@ -763,6 +767,8 @@ def _bad_inputs(tmp_path):
                                                 + ['{"text": "caf\xe9"}'.encode("latin-1")]))
     (d / "bin.jsonl").write_bytes(b"\x00\x01\x89PNG\x00" * 20)
     (d / "docs.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in DOCS))
+    (d / "nulls.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in [DOCS[0], None, *DOCS[2:]]))
+    (d / "one.txt").write_text("\n\n".join(DOCS))
     repo, _ = _repo(tmp_path)
     tok = _bpe(tmp_path)
     stale = [f"data.source={d}/docs.jsonl", "data.text_key=body", f"data.tokenizer={tok}"]
@@ -778,7 +784,12 @@ def _bad_inputs(tmp_path):
         ([f"data.source={d}/*.nomatch"], "config error: data.source=", None),
         ([f"data.source={d}/docs.jsonl"], "config error: data.text_key='text': one of the source's columns ['body']",
          None),
-        ([f"data.source={d}/empty.txt"], "config error: data.source=", None),
+        ([f"data.source={d}/empty.txt"], "a corpus with at least one non-empty training document", None),
+        # was: tokenized whole, then "a corpus with at least one non-empty training document" (it had one)
+        ([f"data.source={d}/one.txt"], "one text file is one document with data.sample_by=document", None),
+        # was: "a column of strings (got NoneType)", no row or file named
+        ([f"data.source={d}/nulls.jsonl"], f"a column of strings in every row (row 1 of {d}/nulls.jsonl: NoneType)",
+         None),
         ([f"data.source={d}/short.txt", "data.val_source=" + f"{d}/short.txt"], "config error: data.source=", None),
         ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.seq_len=4000", "model.max_seq_len=4096"],
          "config error: data.seq_len=4000: < the val split's", None),
@@ -798,6 +809,20 @@ def _bad_inputs(tmp_path):
         ([f"data.prepared_dir={d}/short.txt/p"], f"config error: data.prepared_dir='{d}/short.txt/p': a directory path "
                                                  f"({d}/short.txt is a file)", None),
     ]
+
+
+def test_data_prepare_checks_the_vocabulary_before_tokenizing(tmp_path, corpus, capsys):
+    """Bug caught: `mode data prepare` compared model.vocab_size with the tokenizer only after the
+    whole corpus was tokenized (hours at cluster scale); `mode train` checked it first."""
+    from mode.cli import main
+
+    tok = _bpe(tmp_path, vocab=400)  # more than the tiny preset's model.vocab_size=320
+    prepared = tmp_path / "prepared"
+    rc = main(["data", "prepare", "--config", str(ROOT / "configs/tiny/dense.yaml"), f"data.source={corpus / 'txt'}",
+               f"data.tokenizer={tok}", f"data.prepared_dir={prepared}", "data.num_workers=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("config error: model.vocab_size=320: >= the tokenizer's"), err
+    assert not prepared.exists()
 
 
 @pytest.mark.parametrize("print_config", [False, True])
