@@ -8,8 +8,9 @@ of the routing decisions for one sample sequence, labelled with its characters.
 
 Dump layout (written by the trainer with log.routing_dump=true), shape legend L layers,
 B batch rows, S positions:
-    input_ids LongTensor[B, S]; engaged BoolTensor[L, B, S] (depth-routed-out tokens and no-op
-    expert routes count as not engaged); entropy FloatTensor[B, S] (nats); text list[str];
+    input_ids LongTensor[B, S]; engaged BoolTensor[L, B, S] (a token is engaged in a layer when
+    its block ran on it: not routed out by depth routing and, in an MoE layer, at least one of its
+    routes kept by a real expert — all of them dropped or sent to no-op experts is not engaged); entropy FloatTensor[B, S] (nats); text list[str];
     tokens list[list[str]] (each token decoded alone: heatmap labels for any tokenizer; optional).
 """
 from __future__ import annotations

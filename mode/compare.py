@@ -43,7 +43,8 @@ Launchers:
   (once: a job still queued or running is not submitted again). Job logs (appended on requeue):
   `runs_dir/slurm/<run>-<jobid>.out`. `launcher_options`: `num_nodes` (1), `num_gpus` (per node;
   default nproc), `sbatch_args` (list, e.g. ["--partition=gpu", "--time=12:00:00"]), `submit`
-  (false), `env` (mapping exported to the job). A run whose recorded job is still queued or running
+  (false), `env` (mapping exported to the job), `script` (an sbatch script of your own instead of
+  launch/slurm.sbatch, taking the same arguments). A run whose recorded job is still queued or running
   is not refused as in use by another writer: the rerun waits for that job. `--wait` (the default
   when stdin is a terminal; `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
   state) and writes the report when every run is done. A job that ended without finishing its

@@ -98,13 +98,14 @@ class GuardedAdamW(torch.optim.AdamW):
 
     Used at ZeRO stage 0 (ZeRO 1/2 do the same inside DeepSpeed). DeepSpeed's engine reads
     `overflow` (skip: no update, scheduler not stepped, engine.skipped_steps += 1) and
-    `_global_grad_norm`. Expert-parallel expert params differ per rank, so their squared norm
-    is summed across ranks; one all-reduce of two numbers per step.
+    `_global_grad_norm`. Expert-parallel expert params (DeepSpeed MoE, `ep_size` ranks share one
+    set of experts) differ per rank, so their squared norm is summed across ranks: one all-reduce
+    of one number per step, and none without such params.
     """
 
-    def __init__(self, params, *, clip: float, names: dict, **kw):
+    def __init__(self, params, *, clip: float, names: dict, ep_size: int = 1, **kw):
         super().__init__(params, **kw)
-        self.clip, self.names = clip, names
+        self.clip, self.names, self.ep_size = clip, names, ep_size
         self.overflow = False
         self._global_grad_norm = 0.0
         self.bad_params: list[str] = []
@@ -117,12 +118,12 @@ class GuardedAdamW(torch.optim.AdamW):
         shared = [p for p in ps if getattr(p, "allreduce", True)]
         expert = [p for p in ps if not getattr(p, "allreduce", True)]
         zero = torch.zeros((), device=ps[0].device) if ps else torch.zeros(())
-        stats = torch.stack([_sq_norm(expert, zero), zero.clone()])
+        expert_sq = _sq_norm(expert, zero)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            dist.all_reduce(stats)
-            stats[0] /= world // max(1, getattr(self, "ep_size", 1))  # each expert has world/ep replicas
-        norm = (_sq_norm(shared, zero) + stats[0]).sqrt()
+        if expert and world > 1:  # every rank holds expert params or none: all take this branch or none
+            dist.all_reduce(expert_sq)
+            expert_sq = expert_sq / (world // max(1, self.ep_size))  # each expert has world/ep replicas
+        norm = (_sq_norm(shared, zero) + expert_sq).sqrt()
         self._global_grad_norm = norm.item()  # host sync: once per optimizer step
         self.overflow = not math.isfinite(self._global_grad_norm)
         if self.overflow:
@@ -247,8 +248,8 @@ def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):
     o = cfg.optim
     adam = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused_adamw(model))
     if cfg.deepspeed.zero_stage == 0:
-        opt = GuardedAdamW(groups, clip=o.grad_clip, names={p: n for n, p in model.named_parameters()}, **adam)
-        opt.ep_size = cfg.model.moe.ep_size if uses_deepspeed_moe(cfg) else 1
+        opt = GuardedAdamW(groups, clip=o.grad_clip, names={p: n for n, p in model.named_parameters()},
+                           ep_size=cfg.model.moe.ep_size if uses_deepspeed_moe(cfg) else 1, **adam)
     else:
         opt = torch.optim.AdamW(groups, **adam)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

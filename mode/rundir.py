@@ -36,6 +36,8 @@ ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
              "report",  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
              ".config.yaml.tmp", ".run_info.json.tmp"}  # write_atomic's, left by a crash mid-write
+# (deepspeed_env: launch/run.py wrote DeepSpeed's env file into run.dir before it used a temporary
+# directory; runs started then still hold one and must stay resumable)
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes

@@ -98,7 +98,7 @@ class ExpertRouter(nn.Module):
         self.E, self.N, self.k = cfg.num_experts, cfg.num_noop_experts, cfg.top_k
         # One row per router output; no-op experts are just extra logits.
         self.weight = nn.Parameter(torch.empty(self.E + self.N, d_model))
-        nn.init.normal_(self.weight, std=0.02)
+        nn.init.normal_(self.weight, std=0.02)  # a standalone router's; an LM re-initialises it (init_std)
         # Sampling-time routing for the current call (set by the MoE layer from the routing mode):
         # capacity from inference_capacity_factor, null = dropless.
         self.sampling = False
