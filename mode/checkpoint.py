@@ -264,10 +264,13 @@ def io_cause(e: BaseException, where: Path | None) -> str:
     """One line naming why a write failed: disk full, read-only, permissions, or the error itself.
     `where`: the path written (None when the error names none: then no place is named)."""
     probe = Path(where) if where is not None else None
-    while probe is not None and not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free if probe is not None and probe.exists() else None
+    while probe is not None and not os.path.exists(probe) and probe != probe.parent:  # False, not a raise,
+        probe = probe.parent                                                       # for a name too long
+    free = shutil.disk_usage(probe).free if probe is not None and os.path.exists(probe) else None
     code = getattr(e, "errno", None)
+    if code == errno.ENAMETOOLONG:
+        name = str(getattr(e, "filename", None) or where)
+        return f"file name too long (a path component over the filesystem's limit, usually 255 bytes: {name[:120]}...)"
     # torch's writer reports a full disk without an errno ("unexpected pos"): then the free space says it
     if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
         return "no space left on device" + (f" ({free / 2**20:.1f} MiB free on the filesystem of {probe})"

@@ -101,7 +101,9 @@ def _generate(argv) -> int:
         except UnicodeDecodeError as e:
             raise ConfigError("--prompt-file", a.prompt_file, f"a UTF-8 text file, one prompt per line (byte "
                               f"{e.start} is not UTF-8)") from None
-        prompts += [line for line in text.splitlines() if line.strip()]  # a blank line is no prompt
+        # lines end at "\n" only (str.splitlines also splits at form feeds and other separators that
+        # a prompt may hold); a blank line is no prompt
+        prompts += [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
         raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
     try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,7 +200,9 @@ def _define_lm_class():
                 if run is None:
                     raise ValueError("model_args needs run=RUN_DIR (a run or `mode export` directory)")
                 device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-                model, tokenizer, _ = load_run(run, device)
+                model, tokenizer, _, self.source = load_run(run, device, return_source=True)
+            else:
+                self.source = None
             bs = 1 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
             self.scorer = Scorer(model, tokenizer, routing, bs)
             self.run, self.routing = run, routing
@@ -239,6 +242,7 @@ def _hub(offline: bool):
     import huggingface_hub.constants as hub
 
     saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
+    # CRITICAL: datasets logs a parse error at ERROR before raising it; the exception becomes the line
     loggers = [logging.getLogger(n) for n in ("huggingface_hub", "datasets")]
     levels = [lg.level for lg in loggers]
     task_log = logging.getLogger("lm_eval.api.task")
@@ -247,7 +251,7 @@ def _hub(offline: bool):
         if offline:
             datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = hub.HF_HUB_OFFLINE = True
         for lg in loggers:
-            lg.setLevel(logging.ERROR)
+            lg.setLevel(logging.CRITICAL)
         task_log.addFilter(custom_note)
         yield
     finally:
@@ -316,8 +320,16 @@ def _task_manager(tasks: list[str], include_path: str | None):
 
 
 def _data_error(task: str, e: Exception):
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, FileNotFoundError):  # datasets reads a `dataset_path: json` task's relative data_files from the cwd
+    root = e  # datasets wraps a parser's message ("Missing a comma ...") in a generic one: show the cause
+    for _ in range(8):
+        inner = root.__cause__ or (root.__context__ if "error occurred" in str(root) else None)
+        if inner is None:
+            break
+        root = inner
+    msg = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+    missing = re.search(r"'(/[^']*)'", msg)
+    if isinstance(e, FileNotFoundError) and (missing is None or missing[1].startswith(f"{Path.cwd()}{os.sep}")):
+        # datasets reads a `dataset_path: json` task's relative data_files from the cwd
         msg += (f"; relative data paths are read from the current directory {Path.cwd()}: run from the directory they "
                 "are relative to, write absolute paths, or read them relative to the YAML as configs/eval does "
                 "(custom_dataset: !function local_json.load)")
@@ -338,7 +350,9 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
     with _hub(offline):  # the harness loads the tasks again: from where they were found above
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
                                       log_samples=False)
+    source = getattr(lm, "source", None)  # the weights scored: a run that trains on leaves no doubt
     res["mode"] = {"written_by": WRITTEN_BY, "run": str(run), "routing": routing,
+                   "weights": str(source) if source is not None else None,
                    "note": "causal: sampling-time routing (no lookahead)" if routing == "causal"
                    else "topk: training-time routing (sees the whole window: not sampling-safe)"}
     return res
@@ -366,9 +380,9 @@ def check_out(out: Path, key: str, shown: str, explicit: bool) -> None:
     place; an existing explicit --out only a results file mode eval wrote (never a user's file)."""
     if out.is_dir():
         raise ConfigError(key, shown, "a file path, not a directory")
-    if explicit and out.exists() and not written_by_mode_eval(out):
+    if out.exists() and not written_by_mode_eval(out):  # the default path too: a user's file may sit there
         raise ConfigError(key, shown, "a new file or a results file mode eval wrote (this file is not one: "
-                                      "mode eval will not overwrite it)")
+                                      "mode eval will not overwrite it" + ("" if explicit else "; pass --out") + ")")
     place = out.parent
     while not place.exists() and place != place.parent:  # the default RUN/eval/ is created
         place = place.parent
@@ -377,6 +391,17 @@ def check_out(out: Path, key: str, shown: str, explicit: bool) -> None:
     if not os.access(place, os.W_OK | os.X_OK):
         raise ConfigError(key, shown, f"a writable location ({place} is not writable): checked before evaluating, "
                                       "so no results are lost")
+
+
+def default_out_name(tasks: list[str], routing: str) -> str:
+    """results_<tasks>_<routing>.json; many tasks: the first, their count and a hash of all, so the
+    name stays within a filesystem's 255 bytes."""
+    joined = "+".join(tasks)
+    if len(joined.encode()) > 160:
+        import hashlib
+
+        joined = f"{tasks[0][:60]}+{len(tasks) - 1}more-{hashlib.sha256(joined.encode()).hexdigest()[:10]}"
+    return f"results_{joined}_{routing}.json"
 
 
 def format_table(res: dict) -> str:
@@ -418,7 +443,7 @@ def main(argv=None) -> int:
         raise ConfigError("--limit", a.limit, "a finite number > 0 (a count, or a fraction if < 1)")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
-    out = Path(a.out) if a.out else Path(a.run) / "eval" / f"results_{'+'.join(tasks)}_{a.routing}.json"
+    out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing)
     if a.out and not out.parent.is_dir():
         raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} does not exist)")
     if a.out:  # the default, RUN/eval/, is the run's own

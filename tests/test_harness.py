@@ -171,7 +171,9 @@ def test_shipped_task_runs_from_any_directory(tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path", str(ROOT / "configs/eval"),
                      "--limit", "1", "--out", str(out)]) == 0, capsys.readouterr().err
-    res = json.loads(out.read_text())["results"]["stdlib_ppl"]
+    written = json.loads(out.read_text())
+    assert written["mode"]["weights"].endswith("model.pt")  # which checkpoint was scored
+    res = written["results"]["stdlib_ppl"]
     doc = json.loads((ROOT / "configs/eval/data/stdlib_ppl.jsonl").read_text().splitlines()[0])["text"]
     assert res["bits_per_byte,none"] == pytest.approx(-rolling_ref(model, doc) / len(doc.encode()) / math.log(2), abs=1e-5)
 
@@ -185,6 +187,29 @@ def test_own_task_with_relative_data_says_where_it_was_read_from(tmp_path, capsy
     monkeypatch.chdir(tmp_path)
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "mine_ppl", "--include-path", str(tmp_path / "tasks")],
                     f"read from the current directory {tmp_path}: run from")
+    assert not (run / "eval").exists()
+
+
+def test_own_task_with_missing_or_malformed_data_says_what_is_wrong(tmp_path, capsys, monkeypatch):
+    """Bugs caught: a missing data file at an absolute path got the "relative paths are read from the
+    current directory" hint; malformed JSON printed datasets' own log line first, then a generic
+    "An error occurred while generating the dataset" as the one line."""
+    _, run = fake_run(tmp_path, "dense")
+    (tmp_path / "tasks").mkdir()
+    gone, bad = tmp_path / "data" / "gone.jsonl", tmp_path / "data" / "bad.jsonl"
+    bad.parent.mkdir()
+    bad.write_text('{"text": "abc"\n')
+    (tmp_path / "tasks" / "gone.yaml").write_text(_json_task("gone_ppl", str(gone)))
+    (tmp_path / "tasks" / "bad.yaml").write_text(_json_task("bad_ppl", str(bad)))
+    monkeypatch.chdir(ROOT)
+    argv = ["eval", "--run", str(run), "--include-path", str(tmp_path / "tasks"), "--tasks"]
+    assert cli_main([*argv, "gone_ppl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gone.jsonl" in err[0] and "current directory" not in err[0], err
+    assert cli_main([*argv, "bad_ppl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: --tasks='bad_ppl'") and "JSON" in err[0], err
+    assert "An error occurred while generating" not in err[0]
     assert not (run / "eval").exists()
 
 
@@ -300,11 +325,28 @@ def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stu
     for _ in range(2):  # its own results file: a rerun replaces it
         assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
         assert json.loads(out.read_text())["mode"]["written_by"] == "mode eval"
-    old = json.loads(out.read_text())  # written before the written_by key existed
-    del old["mode"]["written_by"]
+    old = json.loads(out.read_text())  # written before the written_by and weights keys existed
+    del old["mode"]["written_by"], old["mode"]["weights"]
     out.write_text(json.dumps(old))
     assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
     assert len(stub_harness) == 3
+
+
+def test_eval_default_out_never_replaces_a_users_file_and_stays_a_valid_name(tmp_path, capsys, stub_harness):
+    """Bugs caught: the default RUN/eval/results_<tasks>_<routing>.json was overwritten even when a
+    user's file sat there (only an explicit --out was checked); and many task names joined into
+    one file name passed the filesystem's 255 bytes (a traceback after evaluating)."""
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    mine = run / "eval" / "results_t1_causal.json"
+    mine.write_text('{"my": "notes"}')
+    _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "t1"], "mode eval will not overwrite it; pass --out")
+    assert mine.read_text() == '{"my": "notes"}' and stub_harness == []
+    tasks = [f"a_rather_long_benchmark_task_name_{i:02d}" for i in range(24)]
+    assert cli_main(["eval", "--run", str(run), "--tasks", ",".join(tasks)]) == 0, capsys.readouterr().err
+    [written] = [p for p in (run / "eval").iterdir() if p != mine]
+    assert len(written.name.encode()) <= 255 and written.name.startswith(f"results_{tasks[0]}+23more-")
+    assert sorted(json.loads(written.read_text())["results"]) == sorted(tasks)
 
 
 def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness, monkeypatch):

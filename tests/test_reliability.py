@@ -437,6 +437,9 @@ def test_write_failures_name_the_cause():
     assert "no space left on device" in io_cause(OSError(errno.ENOSPC, "No space left on device"), Path("/tmp"))
     assert "read-only file system" in io_cause(OSError(errno.EROFS, "Read-only file system"), Path("/tmp"))
     assert "permission denied" in io_cause(PermissionError(errno.EACCES, "denied", "/x/ck"), Path("/tmp"))
+    # a name over the filesystem's limit: Path.exists() raises ENAMETOOLONG itself (was a second traceback)
+    long = Path("/tmp") / ("a" * 300) / "results.json"
+    assert io_cause(OSError(errno.ENAMETOOLONG, "File name too long", str(long)), long).startswith("file name too long")
     # a filesystem with no free space that is not full (/proc): a missing directory is not a full disk
     assert io_cause(FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/nope"), Path("/proc/nope")) \
         == "FileNotFoundError: [Errno 2] No such file or directory: '/proc/nope'"

@@ -491,9 +491,10 @@ def test_cli_json_prompt_file_stop_and_greedy(run_dir, tmp_path, capsys):
 def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     """Blank (or whitespace-only) lines of --prompt-file are no prompts; the others keep their text."""
     d, model = run_dir
-    prompts = ["ab", "  x = 1", "def f("]
+    # a form feed (as in Python sources) and U+2028 are characters of a line, not line ends (was: str.splitlines)
+    prompts = ["ab", "  x = 1", "def f(", "a\x0cb\u2028c"]
     pf = tmp_path / "prompts.txt"
-    pf.write_text(f"\n{prompts[0]}\n\n   \n{prompts[1]}\n\t\n{prompts[2]}\n\n")
+    pf.write_text(f"\n{prompts[0]}\n\n   \n{prompts[1]}\n\t\n{prompts[2]}\r\n\n{prompts[3]}\n", newline="")
     assert cli_main(["generate", "--run", str(d), "--prompt-file", str(pf), "--max-new-tokens", "4",
                      "--temperature", "0", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
