@@ -92,10 +92,11 @@ def _signature(p: Path) -> bool | None:
     return bool(RUN_INFO_KEYS & data.keys())  # run_info.json
 
 
-def is_mode_run(d: Path) -> bool:
+def is_mode_run(d: Path, besides: str | None = None) -> bool:
     """Every entry is something `mode` writes, one only a run writes proves it (a run's LOCK, its
-    run_info.json or its step checkpoints), and none of those holds anything else."""
-    if not d.is_dir() or foreign_entries(d):
+    run_info.json or its step checkpoints), and none of those holds anything else. `besides`: one
+    more entry allowed (what a writer would add below a run: is the directory a run without it?)."""
+    if not d.is_dir() or [n for n in foreign_entries(d) if n != besides]:
         return False
     found = [_signature(d / s) for s in SIGNATURES if (d / s).exists()]
     return True in found and False not in found
@@ -122,7 +123,8 @@ def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = 
     out = Path(out).expanduser().resolve()
     below = out if below_only else None
     for d in (out.parents if below_only else (out, *out.parents)):
-        if d.is_dir() and any((d / s).exists() for s in SIGNATURES) and (below is None or below.name != owned):
+        # a run as is_mode_run proves it: a project folder with its own checkpoints/ or tb/ is none
+        if (below is None or below.name != owned) and is_mode_run(d, below.name if below is not None else None):
             return d
         below = d
     return None

@@ -678,6 +678,23 @@ def test_runs_dir_or_report_dir_inside_a_run_is_refused_at_load(tmp_path, monkey
     rundir.check(str(run), False)  # still resumable
 
 
+def test_a_project_folder_with_its_own_checkpoints_is_no_run(tmp_path, monkeypatch, capsys):
+    """The check above must prove a run, not guess from names: a researcher's project folder with
+    another tool's checkpoints/ and tb/ (and a LOCK of its own) holding the grid's runs_dir was refused."""
+    from mode import compare, rundir
+
+    project = tmp_path / "project"
+    for d in ("checkpoints/epoch=3", "tb"):
+        (project / d).mkdir(parents=True)
+    (project / "tb" / "events.out.tfevents.1.host").write_bytes(b"x")
+    (project / "LOCK").write_text("poetry\n")
+    (project / "notes.md").write_text("mine\n")
+    stub_trainer(monkeypatch)
+    exp = stub_grid(tmp_path, runs_dir=str(project / "runs" / "grid"), report_dir=str(project / "report"))
+    assert compare.main([str(exp), "--dry-run"]) == 0, capsys.readouterr().err
+    assert rundir.run_broken_by(project / "eval" / "r.json") is None
+
+
 @pytest.mark.parametrize("key", ["runs_dir", "report_dir"])
 def test_runs_dir_or_report_dir_that_is_a_file_is_refused_at_load(tmp_path, monkeypatch, capsys, key):
     """Bug caught: `runs_dir:` or `report_dir:` naming an existing file ended in FileExistsError,
