@@ -208,6 +208,7 @@ class Trainer:
             self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
             if cfg.run.fresh and was_run:  # preflight refused any other non-empty directory
                 rundir.empty_run_dir(self.run_dir)
+            self._record_schedule_change(saved, cfg)  # before config.yaml forgets the old schedule
             rundir.write_atomic(self.run_dir / "config.yaml", dump_config(cfg))
         self._barrier()
         self.ckpt_dir = ckpt.checkpoints_dir(self.run_dir)
@@ -235,11 +236,8 @@ class Trainer:
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
             sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
-            # config.yaml holds only the last schedule: the history of changes lives here, so that
-            # `mode analyze` never averages a re-scheduled run with one trained on a single schedule
-            changes = list(self._saved_info().get("schedule_changes") or []) if saved else []
-            changes += [{"step": self.step, **{k: list(ab) for k, ab in sched.items()}}] if sched else []
-            if changes:
+            changes = self._saved_info().get("schedule_changes") if saved else None
+            if changes:  # recorded by _record_schedule_change; kept across every later start
                 info["schedule_changes"] = changes
             rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
             self.log.log_config(cfg, {"run_info": info})
@@ -251,6 +249,21 @@ class Trainer:
                         + "; the LR is recomputed for the new schedule from here (train.allow_schedule_change)")
                 print(note, flush=True)
                 self.log.note("schedule_change", note, self.step)
+
+    def _record_schedule_change(self, saved: dict | None, cfg: Config) -> None:
+        """config.yaml holds only the last schedule: a resume that changes it (allowed by
+        train.allow_schedule_change) is appended to run_info.json's `schedule_changes` before
+        config.yaml is replaced, so that a start killed in between cannot lose it and `mode analyze`
+        never averages a re-scheduled run with runs trained on one schedule."""
+        step = ckpt.latest_step(self.run_dir) if saved else None
+        sched = schedule_diff(saved, cfg.to_dict()) if step else {}
+        if not sched:
+            return
+        info = self._saved_info()
+        change, changes = {"step": step, **{k: list(ab) for k, ab in sched.items()}}, info.get("schedule_changes") or []
+        if changes[-1:] != [change]:  # a start killed before config.yaml was replaced records it once
+            info["schedule_changes"] = [*changes, change]
+            rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
 
     def _saved_info(self) -> dict:
         """The run_info.json of the run being resumed ({} if none or unreadable: it is rewritten)."""

@@ -402,6 +402,33 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
         {"step": 2, "train.max_steps": [6, 12]}]
 
 
+def test_a_schedule_change_is_recorded_before_config_yaml_forgets_it(tmp_path):
+    """Bug caught: the change was written into run_info.json only after the engine was built and the
+    checkpoint loaded, but config.yaml (read as the old schedule by the next start) was replaced
+    first: a start killed in between left no trace of the change. Recorded first now, once."""
+    import yaml
+
+    from mode import checkpoint as ckpt
+    from mode.config import load_config
+    from mode.train import Trainer
+
+    run = tmp_path / "run"
+    step = ckpt.step_dir(ckpt.checkpoints_dir(run), 2)
+    step.mkdir(parents=True)
+    ckpt.write_manifest(step, 2)
+    (run / "run_info.json").write_text(json.dumps({"world_size": 1, "tokens_per_step": 8}))
+    saved = yaml.safe_load(yaml.safe_dump(load_config(CFG, [*TINY, "train.max_steps=6"]).to_dict()))
+    cfg = load_config(CFG, [*TINY, "train.max_steps=12", "train.allow_schedule_change=true"])
+    t = Trainer.__new__(Trainer)  # only the start's bookkeeping, no engine
+    t.run_dir = run
+    for _ in range(2):  # the second start after one killed before config.yaml was written
+        t._record_schedule_change(saved, cfg)
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["schedule_changes"] == [{"step": 2, "train.max_steps": [6, 12]}] and info["world_size"] == 1
+    t._record_schedule_change(saved, load_config(CFG, [*TINY, "train.max_steps=6"]))  # no change: nothing added
+    assert json.loads((run / "run_info.json").read_text()) == info
+
+
 @pytest.mark.slow
 def test_rerunning_a_finished_run_writes_nothing(tmp_path):
     run = tmp_path / "run"
