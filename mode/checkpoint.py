@@ -269,8 +269,9 @@ def io_cause(e: BaseException, where: Path | None) -> str:
     free = shutil.disk_usage(probe).free if probe is not None and os.path.exists(probe) else None
     code = getattr(e, "errno", None)
     if code == errno.ENAMETOOLONG:
-        name = str(getattr(e, "filename", None) or where)
-        return f"file name too long (a path component over the filesystem's limit, usually 255 bytes: {name[:120]}...)"
+        name = getattr(e, "filename", None) or where
+        shown = "" if name is None else f": {str(name)[:120]}" + ("..." if len(str(name)) > 120 else "")
+        return f"file name too long (a path component over the filesystem's limit, usually 255 bytes{shown})"
     # torch's writer reports a full disk without an errno ("unexpected pos"): then the free space says it
     if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
         return "no space left on device" + (f" ({free / 2**20:.1f} MiB free on the filesystem of {probe})"

@@ -237,9 +237,9 @@ class DataConfig:
     source: str = "stdlib"
     """`stdlib` (the running interpreter's standard-library sources: always on disk), a local file/dir/glob, or a hub dataset name (streamed)."""
     format: str = "auto"
-    """Local file format: `auto` (from the extension: .json/.jsonl, .parquet, .csv/.tsv, anything else text), `text`, `json` (also jsonl), `parquet` or `csv` (comma-separated; tab-separated for .tsv files); json/parquet/csv read the column data.text_key."""
+    """Local file format: `auto` (from the extension: .json/.jsonl, .parquet, .csv, .tsv, anything else text), `text`, `json` (also jsonl), `parquet`, `csv` or `tsv` (tab-separated); json/parquet/csv/tsv read the column data.text_key."""
     text_key: str = "text"
-    """Column holding the document text (json/parquet/csv/hub)."""
+    """Column holding the document text (json/parquet/csv/tsv/hub)."""
     hub_split: str = "train"
     """Split to read from a hub dataset."""
     hub_config: str = ""
@@ -268,8 +268,8 @@ class DataConfig:
     """Tokens per shard file of the prepare step (a shard ends at the end of the first encode batch past it: up to 4,096 documents or ~1 MB of text, so small values give larger shards); a killed prepare resumes after its last complete shard."""
 
     def validate(self) -> None:
-        _check(self.format in ("auto", "text", "json", "parquet", "csv"), "data.format", self.format,
-               "auto, text, json, parquet or csv")
+        _check(self.format in ("auto", "text", "json", "parquet", "csv", "tsv"), "data.format", self.format,
+               "auto, text, json, parquet, csv or tsv")
         _check(self.sample_by in ("document", "paragraph", "line"), "data.sample_by", self.sample_by,
                "document, paragraph or line")
         _check(self.seq_len >= 2, "data.seq_len", self.seq_len, ">= 2")

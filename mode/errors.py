@@ -36,6 +36,8 @@ def one_line(e: BaseException) -> tuple[str, int]:
     text = " ".join(str(e).split())
     if isinstance(e, OSError) or "PytorchStreamWriter" in text or "unexpected pos" in text:
         where = getattr(e, "filename", None)  # None: the free space of an unknown place would mislead
+        if where is None and not isinstance(e, OSError):  # torch's writer names neither file nor errno
+            return f"error: a file could not be written ({text[:300]}); a full disk is the usual cause", 1
         return f"error: {io_cause(e, Path(where) if where else None)}", 1
     return f"error: {type(e).__name__}: {text[:400]} (run again with --debug for the traceback)", 1
 

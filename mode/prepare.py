@@ -41,7 +41,7 @@ MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
 FORMAT = "mode-prepared-v1"
 EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
-              ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
+              ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
 # Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
 # hub_config is left out while empty: data prepared before the key existed keeps its directory.
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
@@ -288,18 +288,17 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
         fmt = _format(cfg, files, key, spec)
-        if fmt in ("text", "json", "csv"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
+        if fmt in ("text", "json", "csv", "tsv"):  # JSON is UTF-8 text too (RFC 8259); a bad byte otherwise surfaces mid-prepare
             check_utf8(files, key, spec)
         if fmt == "text" and cfg.sample_by == "document" and len(files) == 1 and which == "source" \
                 and not cfg.val_source and os.path.getsize(files[0]):  # one document: all trained on or all held out
             raise ConfigError(key, spec, "a source of several documents; one text file is one document with "
                               "data.sample_by=document, so it would all go to training or all to validation: set "
                               "data.sample_by=paragraph or line, or a validation source data.val_source")
-        kw = {"sample_by": cfg.sample_by} if fmt == "text" else {}
-        if fmt == "csv" and all(f.lower().endswith(".tsv") for f in files):
-            kw = {"sep": "\t"}
-        try:
-            ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kw)
+        kw = {"sample_by": cfg.sample_by} if fmt == "text" else {"sep": "\t"} if fmt == "tsv" else {}
+        try:  # tsv: the csv builder with tabs
+            ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt, data_files=files, split="train", streaming=True,
+                                       **kw)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(key, spec, f"readable {fmt} files ({_first_line(e)})") from None
         desc = {"kind": "local", "spec": spec, "format": fmt, "files": len(files)}
@@ -631,6 +630,12 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     old, new = manifest.get("data", {}), data_keys(cfg)
     why += [f"data.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
+    for split in ("source", "val_source"):  # data.format=auto reads an extension another way than it did
+        was = manifest.get(split) or {}
+        files = [p for p, _, _ in manifest.get("fingerprint", []) if Path(p).suffix.lower() in (".csv", ".tsv")]
+        if cfg.format == "auto" and was.get("kind") == "local" and was.get("format") == "text" and files:
+            why.append(f"{files[0]} is now read as {EXT_FORMAT[Path(files[0]).suffix.lower()]}, was read as text")
+            break
     if manifest.get("tokenizer", {}).get("sha256") != tok.identity["sha256"]:
         why.append("the tokenizer file changed")
     if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:

@@ -57,7 +57,7 @@ OVERRIDES = [
     ("=5", ["=5"]),
     ("no equals sign", ["model.d_model"]),
     ("model=5", ["model=5"]),
-    *[(f"data.format={v}", [f"data.format={v}"]) for v in ("csv",)],
+    *[(f"data.format={v}", [f"data.format={v}"]) for v in ("xlsx",)],
     *[(f"data.seq_len={v}", [f"data.seq_len={v}"]) for v in ("1", "0")],
     *[(f"data.val_fraction={v}", [f"data.val_fraction={v}"]) for v in ("0", "1")],
     ("data.max_documents=-1", ["data.max_documents=-1"]),

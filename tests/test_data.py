@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -75,6 +76,30 @@ def test_local_formats_give_the_same_documents(corpus, tmp_path, fmt):
     dm = DataModule(cfg)
     w = dm.train.windows(range(dm.n_train), 8)
     assert torch.equal(w[1:, 0], w[:-1, -1]) and dm.n_train == (m["splits"]["train"]["tokens"] - 1) // 8
+
+
+def test_csv_prepared_as_text_before_is_stale_and_csv_with_tsv_is_refused(corpus, tmp_path):
+    """Data prepared from a .csv before csv sources were read by column (as plain text, under the
+    same directory name) is refused as stale, not trained on; a .csv beside a .tsv is one line
+    (one separator would misread the other file's rows as one column)."""
+    from mode.data import open_prepared
+
+    cfg = dcfg(tmp_path, source=str(corpus / "docs.csv"))
+    path = prep.prepare(cfg, progress=False)
+    m = prep.read_manifest(path)
+    assert m["source"]["format"] == "csv"
+    m["source"]["format"] = "text"  # as that earlier prepare wrote it
+    (path / prep.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match=r"is stale \(.*docs.csv is now read as csv, was read as text"):
+        open_prepared(cfg)
+    assert prep.prepare(cfg, force=True, progress=False) == path  # --force rebuilds it
+    open_prepared(cfg)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for ext in ("csv", "tsv"):
+        shutil.copy(corpus / f"docs.{ext}", mixed / f"docs.{ext}")
+    with pytest.raises(ConfigError, match=r"files of one format \(found csv, tsv\)"):
+        prep.prepare(dcfg(tmp_path / "m", source=str(mixed)), progress=False)
 
 
 def test_default_workers_are_the_cores_this_process_may_use(corpus, tmp_path, monkeypatch):
