@@ -198,6 +198,25 @@ MUTANTS = [
      "    check_outside_runs(shown, key, below_only=True)", "    pass", ["tests/test_compare.py"]),
     ("a full disk at a metrics write names the cwd", "mode/loggers.py",
      "            e.filename = e.filename or str(self.run_dir)", "            pass", CKPT),
+    ("a project folder with its own checkpoints/ is taken for a run", "mode/rundir.py",
+     "is_mode_run(d, below.name if below is not None else None)", "any((d / s).exists() for s in SIGNATURES)",
+     ["tests/test_compare.py"]),
+    ("eval's default --out replaces a user's file", "mode/harness.py",
+     "    if out.exists() and not written_by_mode_eval(out):", "    if explicit and out.exists() and not written_by_mode_eval(out):",
+     ["tests/test_harness.py"]),
+    ("the processed fraction from the logs ignores drops", "analysis/report.py",
+     "frac[lp.index] *= engaged if engaged is not None else 1.0 - noop", "frac[lp.index] *= 1.0 - (noop or 0.0)",
+     ["tests/test_analysis.py"]),
+    ("threshold metrics scored after the EMA stepped on the batch", "mode/mod.py",
+     "            self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)\n"
+     "            if self.training and self.router.has_threshold:\n                self.router.update_threshold(r_BS, k)\n",
+     "            if self.training and self.router.has_threshold:\n                self.router.update_threshold(r_BS, k)\n"
+     "            self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)\n", MOD),
+    ("a MegaBlocks down projection initialised at the full std", "mode/model/layers.py",
+     '"w_out", "experts.mlp.w2"))', '"w_out"))', ["tests/test_train.py"]),
+    ("compare and the trainer disagree on a finished run", "mode/compare.py",
+     "if (d / \"DONE\").exists() and step >= run.cfg.train.max_steps", "if (d / \"DONE\").exists()",
+     ["tests/test_compare.py"]),
 ]
 
 
