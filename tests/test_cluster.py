@@ -264,15 +264,16 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
     `mode compare --wait`. Bugs caught: the script recorded no job id, so `--wait` refused the run
     as in use by another writer (the job's trainer holds its lock) or printed the same hint again;
     and a poll while slurmctld did not answer (squeue "Socket timed out") read as UNKNOWN: the
-    running job was reported failed (exit 1, and --resubmit would have started a second job)."""
+    running job was reported failed (exit 1, and --resubmit would have started a second job).
+    The job outlives the outage (a job ending while slurmctld is stopped stays COMPLETING until
+    the controller restarts); once compare follows it again, it is cancelled, and compare must
+    report that state, CANCELLED, by name."""
     import threading
 
     from mode.rundir import check_lock
 
     exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
-           # long enough to still train through the outage below (squeue and scontrol each wait for
-           # the controller's MessageTimeout before they fail)
-           "overrides": [*RUN, "train.max_steps=2000", "checkpoint.every=2000"],
+           "overrides": [*RUN, "train.max_steps=100000", "checkpoint.every=100000"],  # cancelled long before
            "launcher_options": {"num_gpus": 0, "submit": False},
            "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
     path = tmp_path / "grid.yaml"
@@ -289,6 +290,14 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
     assert job and sub.stdout.strip().split(";")[0] == job  # recorded where compare looks, and printed
     ctld = int((CLUSTER_DIR / "slurmctld.pid").read_text())
     lines: list[str] = []
+
+    def wait_for(needle: str, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not any(needle in ln for ln in lines):
+            assert time.monotonic() < end and proc.poll() is None, (needle, lines)
+            time.sleep(0.5)
+
+    proc = None
     try:
         end = time.monotonic() + 300
         while True:  # until the job's trainer holds the run's lock
@@ -302,28 +311,31 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
                                 stderr=subprocess.PIPE, text=True)
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
-        end = time.monotonic() + 120
-        while not any(f"job {job} RUNNING" in ln for ln in lines):
-            assert time.monotonic() < end and proc.poll() is None, lines
-            time.sleep(0.5)
+        wait_for(f"job {job} RUNNING", 120)
         os.kill(ctld, signal.SIGSTOP)  # the controller stops answering; the job keeps training
         try:
-            end = time.monotonic() + 180
-            while not any("UNREACHABLE" in ln for ln in lines):
-                assert time.monotonic() < end and proc.poll() is None, lines
-                time.sleep(0.5)
+            wait_for(f"job {job} UNREACHABLE", 180)
         finally:
             os.kill(ctld, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=900)
+        n = len(lines)
+        end = time.monotonic() + 120
+        while not any(f"job {job} RUNNING" in ln for ln in lines[n:]):  # followed again after the outage
+            assert time.monotonic() < end and proc.poll() is None, lines
+            time.sleep(0.5)
+        assert job_field(cluster, job, "JobState") == "RUNNING"  # the job outlived the outage
+        subprocess.run(["scancel", job], env=cluster_env(cluster), check=True)
+        out, _ = proc.communicate(timeout=300)
         reader.join(10)
     finally:
         os.kill(ctld, signal.SIGCONT)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
         subprocess.run(["scancel", job], env=cluster_env(cluster))
+    assert wait_job(cluster, job, 120) == "CANCELLED"  # left the queue: the node is free for the next test
     err = "".join(lines)
-    assert proc.returncode == 0, err
-    assert f"job {job} is queued or running" in err and "submitted job" not in err and "failed:" not in err, err
-    assert out.strip().splitlines()[-1] == f"report: {tmp_path / 'runs' / 'report' / 'report.md'}"
-    assert (run / "DONE").exists() and job_file.read_text().strip() == job
+    assert f"job {job} is queued or running" in err and "submitted job" not in err and "UNKNOWN" not in err, err
+    assert proc.returncode == 1 and f"failed: dense_seed0: job {job} CANCELLED without finishing the run" in err, err
+    assert job_file.read_text().strip() == job
 
 
 # ----------------------------------------------------------------------------------------------
