@@ -630,12 +630,11 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     old, new = manifest.get("data", {}), data_keys(cfg)
     why += [f"data.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
-    for split in ("source", "val_source"):  # data.format=auto reads an extension another way than it did
-        was = manifest.get(split) or {}
-        files = [p for p, _, _ in manifest.get("fingerprint", []) if Path(p).suffix.lower() in (".csv", ".tsv")]
-        if cfg.format == "auto" and was.get("kind") == "local" and was.get("format") == "text" and files:
-            why.append(f"{files[0]} is now read as {EXT_FORMAT[Path(files[0]).suffix.lower()]}, was read as text")
-            break
+    # data.format=auto now reads .csv/.tsv by column: data prepared when they were read as text is stale
+    tabular = [p for p, _, _ in manifest.get("fingerprint", []) if Path(p).suffix.lower() in (".csv", ".tsv")]
+    as_text = any((manifest.get(s) or {}).get("format") == "text" for s in ("source", "val_source"))
+    if cfg.format == "auto" and tabular and as_text:
+        why.append(f"{tabular[0]} is now read as {EXT_FORMAT[Path(tabular[0]).suffix.lower()]}, was read as text")
     if manifest.get("tokenizer", {}).get("sha256") != tok.identity["sha256"]:
         why.append("the tokenizer file changed")
     if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:

@@ -252,17 +252,19 @@ def test_at_batch_one_a_skipped_layer_runs_only_its_router_and_predictor():
 # 4. Calibrated threshold
 
 
+def record_router_scores(blk) -> list:
+    """The block's router scores r = w^T x + b of every forward, in float64 (an independent reading)."""
+    lin, scores = blk.router.router, []
+    blk.register_forward_pre_hook(lambda mod, args: scores.append(
+        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    return scores
+
+
 def test_threshold_is_an_ema_of_the_kth_largest_score():
     model = model_of("threshold", "model.mod.threshold_momentum=0.9").train()
     blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
     blk.router.threshold.zero_()
-    scores = []
-    lin = blk.router.router  # r = w^T x + b on the block's input, in float64
-
-    def score(mod, args):
-        scores.append(args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0])
-
-    blk.register_forward_pre_hook(score)
+    scores = record_router_scores(blk)
     g = torch.Generator().manual_seed(0)
     S = 32
     k = round(0.125 * S)
@@ -295,10 +297,7 @@ def test_threshold_metrics_score_a_batch_the_threshold_has_not_seen():
     (at the first step: its own k-th score). Reference: the threshold of the previous step."""
     model = model_of("threshold", "model.mod.threshold_momentum=0.5").train()
     blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
-    lin = blk.router.router
-    scores = []
-    blk.register_forward_pre_hook(lambda mod, args: scores.append(
-        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    scores = record_router_scores(blk)
     g = torch.Generator().manual_seed(0)
     S, k = 32, round(0.125 * 32)
     for _ in range(3):
@@ -322,10 +321,7 @@ def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing(
     model = model_of("threshold", "model.mod.threshold_momentum=0.5").train()
     model.activation_checkpointing = True
     blk = next(b for b in model.blocks if isinstance(b, MoDBlock))
-    lin = blk.router.router
-    scores = []
-    blk.register_forward_pre_hook(lambda mod, args: scores.append(
-        args[0].detach().double() @ lin.weight.detach().double()[0] + lin.bias.detach().double()[0]))
+    scores = record_router_scores(blk)
     g = torch.Generator().manual_seed(0)
     S = 32
     k = round(0.125 * S)
