@@ -235,7 +235,6 @@ class Trainer:
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
-            sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             changes = self._saved_info().get("schedule_changes") if saved else None
             if changes:  # recorded by _record_schedule_change; kept across every later start
                 info["schedule_changes"] = changes
@@ -243,6 +242,7 @@ class Trainer:
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, peak_src),
                                       self.step), flush=True)
+            sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             if sched:
                 note = (f"schedule changed at resumed step {self.step}: "
                         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sched.items())
