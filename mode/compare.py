@@ -620,13 +620,10 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
         job = job_file.read_text().strip() if job_file.is_file() else ""
         if job:
             state = slurm_job_state(job)
-            if state == UNREACHABLE:
-                log(f"{tag}: SLURM did not answer about job {job} (squeue/scontrol failed): taken as queued or "
+            if state in SLURM_HELD:
+                log(f"{tag}: job {job} is queued or running ({state})" if state != UNREACHABLE else
+                    f"{tag}: SLURM did not answer about job {job} (squeue/scontrol failed): taken as queued or "
                     "running, not submitted again")
-                active[r.name] = job
-                continue
-            if state in SLURM_ACTIVE:
-                log(f"{tag}: job {job} is queued or running ({state})")
                 active[r.name] = job
                 continue
             if not resubmit and _stopped_as_asked(r, state):

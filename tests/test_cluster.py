@@ -324,7 +324,8 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
             time.sleep(0.5)
         assert job_field(cluster, job, "JobState") == "RUNNING"  # the job outlived the outage
         subprocess.run(["scancel", job], env=cluster_env(cluster), check=True)
-        out, _ = proc.communicate(timeout=300)
+        proc.stdout.read()  # not communicate(): it would take stderr's last lines from the reader
+        proc.wait(timeout=300)
         reader.join(10)
     finally:
         os.kill(ctld, signal.SIGCONT)
