@@ -136,6 +136,23 @@ class GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def average_thresholds(model: torch.nn.Module) -> None:
+    """Data parallelism for the depth routers' calibrated threshold (`model.mod.causal=threshold`):
+    each rank steps its EMA on its own batches, and here, once per optimizer step, the copies are
+    averaged. The EMA step and its first-step case are affine in the k-th score with weights that
+    every rank shares, so the average equals one EMA of the rank-averaged k-th scores at every
+    micro-step: every rank holds the same threshold (the checkpoint holds rank 0's). One all-reduce
+    per step, none without thresholds or a second rank."""
+    import torch.distributed as dist
+
+    bufs = [m.threshold for m in model.modules() if getattr(m, "has_threshold", False)]
+    if not bufs or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = torch.stack(bufs)
+    dist.all_reduce(flat)
+    torch._foreach_copy_(bufs, list(flat.div_(dist.get_world_size()).unbind()))
+
+
 def _sq_norm(params: list, zero: torch.Tensor) -> torch.Tensor:
     """Sum of squared gradient entries in fp32: a few foreach kernels for all tensors (launches
     are what a small step on a GPU waits on), not three per tensor."""

@@ -324,6 +324,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             acc.add({"train/loss": out.loss, "train/aux_loss": out.aux_loss, **out.metrics})
+        eng.average_thresholds(self.model)
         self.step += 1
         self.tokens += self.tokens_per_step
         self._check_nonfinite(self.engine.skipped_steps > skipped_before)

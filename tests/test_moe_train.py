@@ -58,6 +58,11 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     common = [*TINY, "model.n_layers=2", "model.moe.backend=deepspeed", "model.moe.num_experts=4",
               "model.moe.num_noop_experts=" + ("4" if preset == "mode_integrated" else "0"),
               "train.max_steps=4", "train.log_every=1", "train.eval_every=4", "log.routing_dump=true"]
+    if preset == "mode_staged":
+        # Calibrated threshold: each rank steps its own EMA and the trainer averages them after every
+        # step. Bug caught: without that, rank 1 scored eval/loss_causal with its own threshold
+        # (momentum 0 and the sigmoid gate make the ranks' thresholds differ and the flips count).
+        common += ["model.mod.causal=threshold", "model.mod.threshold_momentum=0.0", "model.mod.gate=sigmoid"]
     side_by_side(lambda: mode_cli("train", "--config", f"configs/tiny/{preset}.yaml", *common,
                                   "train.micro_batch_size=4", "model.moe.ep_size=1", f"run.dir={tmp_path / 'one'}",
                                   threads=1),
@@ -67,5 +72,7 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     assert list(a) == list(b) == [1, 2, 3, 4]
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-4)
-    tag = "moe/layer1/noop_frac" if preset == "mode_integrated" else "mod/layer1/predictor_acc"
+    tag = "moe/layer1/noop_frac" if preset == "mode_integrated" else "mod/layer1/threshold"
     assert scalars(tmp_path / "ep2", tag)
+    ca, cb = scalars(tmp_path / "one", "eval/loss_causal"), scalars(tmp_path / "ep2", "eval/loss_causal")
+    assert list(ca) == list(cb) == [0, 4] and cb[4] == pytest.approx(ca[4], rel=1e-5), (ca, cb)

@@ -340,12 +340,14 @@ def test_threshold_ema_steps_once_per_micro_step_under_activation_checkpointing(
 def _two_rank_threshold(rank, port, out):
     import torch.distributed as dist
 
+    from mode.engine import average_thresholds
     from mode.routing.depth import DepthRouter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     router = DepthRouter(8, ModConfig(causal="threshold", threshold_momentum=0.75))
-    for step in range(2):  # each rank sees its own scores
+    for step in range(2):  # each rank sees its own scores: two micro-steps of one optimizer step
         router.update_threshold(torch.tensor(THRESHOLD_SCORES[step][rank]), k=2)
+    average_thresholds(router)  # what the trainer does after each optimizer step
     out.put((rank, router.threshold.item(), int(router.threshold_updates)))
     dist.destroy_process_group()
 
@@ -360,6 +362,8 @@ THRESHOLD_SCORES = [  # [step][rank] -> [B=2, S=4] router scores
 def test_threshold_is_averaged_over_data_parallel_ranks():
     # Bug caught: each rank kept its own EMA while the checkpoint holds rank 0's, so a resumed
     # 2-rank run continued rank 1 from another threshold (config: "averaged over data-parallel ranks").
+    # The average of the ranks' EMAs after the step must equal one EMA of the rank-averaged k-th
+    # scores at every micro-step (the trainer's call is checked by a 2-rank run in test_moe_train.py).
     import torch.multiprocessing as mp
 
     from tests.util import free_port

@@ -65,16 +65,12 @@ class DepthRouter(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, r_BS: torch.Tensor, k: int) -> None:
-        """One EMA step towards the mean (over rows and data-parallel ranks) of the k-th largest
-        score; the first step takes the value itself. No host sync."""
+        """One EMA step towards the mean over rows of the k-th largest score; the first step takes
+        the value itself. No host sync. Data-parallel ranks step their own copies; the trainer
+        averages them once per optimizer step (mode/engine.py `average_thresholds`)."""
         if _recomputing:  # the checkpointed forward already stepped it
             return
         kth = r_BS.detach().topk(k, dim=1).values[:, -1].mean()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
-            if world > 1:  # every rank keeps the same threshold (the checkpoint holds rank 0's)
-                torch.distributed.all_reduce(kth)
-                kth = kth / world
         m = self.cfg.threshold_momentum
         self.threshold.copy_(torch.where(self.threshold_updates == 0, kth, m * self.threshold + (1 - m) * kth))
         self.threshold_updates.add_(1)
