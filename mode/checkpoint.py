@@ -138,6 +138,11 @@ def verify(d: Path) -> str | None:
         files = json.loads(m.read_text())["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return f"unreadable {MANIFEST}"
+    # damaged JSON that still parses: every entry must be {"bytes": int, "sha256": str}
+    if not isinstance(files, dict) or not all(
+            isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
+            for meta in files.values()):
+        return f"unreadable {MANIFEST}"
     if not files:
         return "its manifest lists no files"
     for name, meta in files.items():
@@ -196,7 +201,7 @@ def resume_point(root: Path, rank: int) -> Path | None:
     whose every checkpoint failed is refused: starting it over here would log a second series of
     the same steps into its directory."""
     # [newest verified, had checkpoints]: any that failed verification were just moved aside as .bad
-    found = [str(newest_verified(root)), any(root.glob("step_*.bad"))] if rank == 0 else [None, None]
+    found = [str(newest_verified(root)), any(root.glob("step_*.bad*"))] if rank == 0 else [None, None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     if found[0] in (None, "None"):

@@ -515,6 +515,12 @@ def status(run: GridRun) -> tuple[str, int]:
     return ("done", step) if (d / "DONE").exists() and step >= run.cfg.train.max_steps else ("resume", step)
 
 
+def resume_hint(run: GridRun) -> str:
+    # with run.fresh=true the same command would delete the runs again, this one's progress included
+    return ("invoke the same command without run.fresh=true to resume it" if run.cfg.run.fresh
+            else "invoke the same command again to resume it")
+
+
 def describe(run: GridRun) -> str:
     if run.status == "done":
         return "done, skipped"
@@ -689,7 +695,7 @@ def run_one(exp: Experiment, run: GridRun, env: dict) -> int:
         return proc.wait()
     except (Stopped, KeyboardInterrupt) as e:
         sig = e.signum if isinstance(e, Stopped) else signal.SIGINT
-        print(f"stopping {run.name} (signal {signal.Signals(sig).name}); invoke the same command again to resume it",
+        print(f"stopping {run.name} (signal {signal.Signals(sig).name}); {resume_hint(run)}",
               file=sys.stderr, flush=True)
         for s, wait in ((sig, 30), (signal.SIGKILL, 10)):
             try:
@@ -850,8 +856,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             rc = run_one(exp, r, env)
             dt = time.perf_counter() - t0
             if rc != 0:
-                log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; invoke the same command again to "
-                    "resume it")
+                log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; {resume_hint(r)}")
                 return rc if 0 < rc < 256 else 1
             r.status, r.resume_step = status(r)
             state = "done" if r.status == "done" else f"stopped at step {r.resume_step} (train.stop_at)"

@@ -91,11 +91,12 @@ def use_bar(progress: bool) -> bool:
 
 
 def continue_command(config: str, overrides: list[str]) -> str:
-    """The command that continues a run stopped by train.stop_at (the same, without stop_at)."""
-    rest = [o for o in overrides if not o.startswith("train.stop_at=")]
+    """The command that continues a run stopped by train.stop_at: the same, without stop_at and
+    without run.fresh (which would delete what this start trained)."""
+    rest = [o for o in overrides if not o.startswith(("train.stop_at=", "run.fresh="))]
     cmd = shlex.join(["mode", "train", "--config", config, *rest])
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # a single-process `mode train` would be refused: the checkpoint belongs to this world size
-        return (f"the same {world}-process launch command without train.stop_at (a checkpoint resumes only at "
+        return (f"the same {world}-process launch command without train.stop_at or run.fresh (a checkpoint resumes only at "
                 f"the world size it was saved with), whose trainer arguments are: {shlex.join(['--config', config, *rest])}")
     return cmd

@@ -6,9 +6,11 @@ enough). A start, fresh or not, goes only into a new or empty directory or such 
 current directory, a parent of it or $HOME, so a user's files are never overwritten or deleted.
 `run.fresh=true` empties the run but keeps `slurm/`: the SLURM job writes its log and hostfile
 there before the trainer starts (launch/slurm.sbatch), and a directory holding only that is new.
-It keeps `report/` too: `mode analyze RUN_DIR` writes it there, but a `report/` is not proof
-enough that mode wrote it (a user's own notes may be called that), and nothing mode cannot
-prove it wrote is deleted.
+It keeps `report/`, `eval/` and `wandb/` too: `mode analyze RUN_DIR`, `mode eval` and the W&B
+logger write them there, but the name is no proof that mode wrote what they hold (a user's own
+notes or results may be there; W&B's offline runs may not be synced yet), and nothing mode cannot
+prove it wrote is deleted. A start is refused inside another run (it would become a foreign
+entry that stops the outer run from resuming).
 
 One writer: the live job holds an exclusive `flock` on `<dir>/LOCK` (rank 0 of a trainer, or
 `mode compare` on its runs_dir). The kernel drops the lock when the holder dies, however it dies;
@@ -41,11 +43,13 @@ ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes
-STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad)?$")  # mode/checkpoint.py's names in checkpoints/
+STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad\d*)?$")  # .bad2, ...: _move_aside's later ones  # mode/checkpoint.py's names in checkpoints/
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
-# Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next analyze.
+# Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next
+# analyze, `mode eval` results name the weights they scored, W&B names each run's folder apart.
 REPORT = "report"
+KEPT_BY_FRESH = (REPORT, "eval", "wandb")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -92,13 +96,14 @@ def _signature(p: Path) -> bool | None:
     return bool(RUN_INFO_KEYS & data.keys())  # run_info.json
 
 
-def is_mode_run(d: Path, besides: str | None = None) -> bool:
+def is_mode_run(d: Path, besides: str | None = None, proofs: tuple = SIGNATURES) -> bool:
     """Every entry is something `mode` writes, one only a run writes proves it (a run's LOCK, its
     run_info.json or its step checkpoints), and none of those holds anything else. `besides`: one
-    more entry allowed (what a writer would add below a run: is the directory a run without it?)."""
+    more entry allowed (what a writer would add below a run: is the directory a run without it?).
+    `proofs`: the signatures that count."""
     if not d.is_dir() or [n for n in foreign_entries(d) if n != besides]:
         return False
-    found = [_signature(d / s) for s in SIGNATURES if (d / s).exists()]
+    found = [_signature(d / s) for s in proofs if (d / s).exists()]
     return True in found and False not in found
 
 
@@ -139,9 +144,31 @@ def check_outside_runs(out: str, key: str, owned: str | None = None, below_only:
                                     "else is refused on resume")
 
 
+def run_above(d: Path) -> Path | None:
+    """The run that writing the directory `d` would nest inside (a foreign entry in it: that run
+    could no longer be resumed), or None. A LOCK alone proves nothing here: a `mode compare`
+    runs_dir holds one beside its first run."""
+    d = d.expanduser().resolve()
+    below = d
+    for p in d.parents:
+        if is_mode_run(p, below.name, proofs=(CHECKPOINTS, "tb", "run_info.json")):
+            return p
+        below = p
+    return None
+
+
+def check_not_in_run(path: str, key: str) -> None:
+    """ConfigError (nothing written) when `path` lies inside a run directory (see run_above)."""
+    outer = run_above(Path(path))
+    if outer is not None:
+        raise ConfigError(key, path, f"a path outside the run directory {outer}: a run holding anything else is "
+                                     "refused on resume")
+
+
 def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) -> Path:
     """Refuse a run directory that would lose a user's files; raises ConfigError (nothing written)."""
     d = check_place(run_dir, key)
+    check_not_in_run(run_dir, key)
     if d.exists() and not d.is_dir():
         raise ConfigError(key, run_dir, "a directory (this path is a file)")
     if d.is_dir():
@@ -180,9 +207,12 @@ def shown(names: list[str]) -> str:
 
 def empty_run_dir(d: Path) -> None:
     """run.fresh: delete what a previous run wrote (check() proved it is a run), not the lock we
-    hold, the job logs (the live job may be writing one) nor a report (maybe not mode's)."""
-    for p in d.iterdir():
-        if p.name in (LOCK, JOB_LOGS, REPORT):
+    hold, the job logs (the live job may be writing one) nor KEPT_BY_FRESH (maybe not mode's).
+    Checkpoints go first and config.yaml last: a wipe killed half-way leaves no checkpoint that
+    could resume without its config."""
+    order = {CHECKPOINTS: 0, "config.yaml": 2}
+    for p in sorted(d.iterdir(), key=lambda p: order.get(p.name, 1)):
+        if p.name in (LOCK, JOB_LOGS, *KEPT_BY_FRESH):
             continue
         assert p.name in ARTEFACTS, p  # check() ran first
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -207,13 +237,15 @@ def describe_holder(h: dict) -> str:
 
 
 def check_lock(d: Path, key: str = "run.dir") -> None:
-    """Refuse if a live process holds d/LOCK (probe only: nothing is created)."""
+    """Refuse if a live process holds d/LOCK (probe only: nothing is created). The probe takes a
+    shared lock: probes (every rank of a start runs one at once) never block each other, and the
+    holder's exclusive lock blocks them all."""
     path = d / LOCK
     if not path.exists():
         return
     with open(path, "rb") as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(_holder(path))}; "
                               "wait for it to finish or stop it") from None
@@ -227,9 +259,14 @@ class DirLock:
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / LOCK
         self.f = open(self.path, "a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8, None):  # a probe's shared lock lasts microseconds: retry briefly
+            try:
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if wait_s is not None:
+                    time.sleep(wait_s)
+        else:
             self.f.close()
             raise ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(_holder(self.path))}; "
                               "wait for it to finish or stop it") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -61,7 +62,15 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     """Refuse a run directory written by an incompatible config (before any worker starts).
     Returns the saved config dict when resuming."""
     saved = rundir.check(cfg.run.dir, cfg.run.fresh, lock=lock) / "config.yaml"
-    if cfg.run.fresh or not saved.exists():
+    if cfg.run.fresh:
+        return None
+    if not saved.exists():
+        n = len(ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)))
+        if n:  # resuming would load them under whatever config this start has, schedule included
+            raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds {n} checkpoints but no config.yaml, so "
+                              "the config they were trained with cannot be checked; write back the config it was "
+                              "started with (its TensorBoard TEXT tab holds a copy), or use another run.dir "
+                              "(run.fresh=true deletes them)")
         return None
     try:
         old = yaml.safe_load(saved.read_text())
@@ -149,6 +158,7 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
     prepared, run = Path(cfg.data.prepared_dir).expanduser().resolve(), Path(cfg.run.dir).expanduser().resolve()
     if prepared == run or run in prepared.parents:  # the start would refuse the run it prepared into
         raise ConfigError("data.prepared_dir", cfg.data.prepared_dir, f"a directory outside run.dir ({cfg.run.dir})")
+    rundir.check_not_in_run(cfg.data.prepared_dir, "data.prepared_dir")  # nor inside another run
     check_data(cfg, write=prepare_data)
     return saved
 
@@ -168,6 +178,21 @@ def check_world(cfg: Config, world: int) -> None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
                           f"has world size {world}: resume it with {saved} process(es), or start over with "
                           "run.fresh=true or another run.dir")
+
+
+def requeued_fresh_start(cfg: Config, env=None) -> bool:
+    """run.fresh=true again in a SLURM job that SLURM requeued (SLURM_RESTART_COUNT > 0) after this
+    same job (SLURM_JOB_ID, recorded in run_info.json) had started the run: the requeue re-runs the
+    job's command, and deleting would throw away what the job trained before it. Such a start
+    resumes instead. (A second start inside one interactive allocation is no requeue: fresh holds.)"""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if not (cfg.run.fresh and job and env.get("SLURM_RESTART_COUNT", "0") not in ("", "0")):
+        return False
+    try:
+        return json.loads((Path(cfg.run.dir) / "run_info.json").read_text()).get("slurm_job_id") == job
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def finished(cfg: Config) -> str | None:
@@ -235,6 +260,8 @@ class Trainer:
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
                     "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
+            if os.environ.get("SLURM_JOB_ID"):  # the job that started this run (requeued_fresh_start)
+                info["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
             changes = self._saved_info().get("schedule_changes") if saved else None
             if changes:  # recorded by _record_schedule_change; kept across every later start
                 info["schedule_changes"] = changes
@@ -496,13 +523,17 @@ def _main(argv) -> int:
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the options, as in `mode compare`
-    import os
 
     from mode.lifeline import die_with_launcher
 
     die_with_launcher()  # a rank never outlives its launcher
     try:
         cfg = load_config(a.config, a.overrides)
+        if requeued_fresh_start(cfg):
+            cfg.run.fresh = False
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"SLURM requeued job {os.environ['SLURM_JOB_ID']}, which started {cfg.run.dir} with "
+                      "run.fresh=true: resuming it instead of deleting what it trained", flush=True)
         cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
         preflight(cfg, prepare_data=not a.print_config)
         if a.print_config:

@@ -217,6 +217,26 @@ MUTANTS = [
     ("compare and the trainer disagree on a finished run", "mode/compare.py",
      "if (d / \"DONE\").exists() and step >= run.cfg.train.max_steps", "if (d / \"DONE\").exists()",
      ["tests/test_compare.py"]),
+    # Session 11: nothing lost (issue #16 audit)
+    ("the continue command keeps run.fresh=true", "mode/console.py",
+     'o.startswith(("train.stop_at=", "run.fresh="))', 'o.startswith("train.stop_at=")', ["tests/test_logging.py"]),
+    ("run.fresh deletes eval/ and wandb/", "mode/rundir.py",
+     'KEPT_BY_FRESH = (REPORT, "eval", "wandb")', "KEPT_BY_FRESH = (REPORT,)", CKPT),
+    ("run.fresh deletes config.yaml before the checkpoints", "mode/rundir.py",
+     'order = {CHECKPOINTS: 0, "config.yaml": 2}', "order = {}", CKPT),
+    ("a run.dir inside another run is accepted", "mode/rundir.py",
+     "    check_not_in_run(run_dir, key)\n", "", CKPT),
+    ("a damaged manifest that parses crashes the resume", "mode/checkpoint.py",
+     'isinstance(meta, dict) and isinstance(meta.get("bytes"), int)', "True or isinstance(meta.get(\"bytes\"), int)",
+     CKPT),
+    ("a second moved-aside checkpoint (.bad2) unmakes the run", "mode/rundir.py",
+     r"(\.tmp|\.bad\d*)?$", r"(\.tmp|\.bad)?$", CKPT),
+    ("checkpoints without config.yaml resume under any config", "mode/train.py",
+     "        if n:  # resuming would load them", "        if False:  # resuming would load them", CKPT),
+    ("lock probes take the lock exclusively", "mode/rundir.py",
+     "fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)", "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", CKPT),
+    ("a requeued fresh job deletes what it trained", "mode/train.py",
+     '.get("slurm_job_id") == job', '.get("slurm_job_id") == job and False', CKPT),
 ]
 
 

@@ -159,10 +159,12 @@ def test_readme_documents_every_model_metric():
 
 def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatch):
     """Bug caught: a 2-rank run stopped by train.stop_at offered a single-process `mode train`
-    command to continue, which the world-size check then refuses."""
+    command to continue, which the world-size check then refuses; and the command kept
+    run.fresh=true, so running it deleted the run it was to continue."""
     from mode.console import continue_command
 
-    args = ["run.dir=r", "train.stop_at=4", "train.max_steps=8"]
+    # run.fresh=true in the command that continues would delete what the stopped start trained
+    args = ["run.dir=r", "train.stop_at=4", "run.fresh=true", "train.max_steps=8"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8"
     monkeypatch.setenv("WORLD_SIZE", "2")

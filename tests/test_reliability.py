@@ -235,6 +235,108 @@ def test_wandb_online_without_a_login_is_refused_before_anything_is_written(tmp_
 # 3. One writer per run (in-process part: the lock itself).
 
 
+def test_fresh_keeps_eval_and_wandb_and_deletes_checkpoints_before_the_config(tmp_path, monkeypatch):
+    """Bug caught: run.fresh=true deleted eval/ and wandb/ whole (a user's results there, or a whole
+    run nested in eval/, or W&B offline runs not yet synced). And a wipe killed half-way could
+    leave checkpoints without their config.yaml (deleted in directory order)."""
+    from mode import rundir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    (run / "run_info.json").write_text('{"world_size": 1}')
+    (run / "eval" / "mine").mkdir(parents=True)
+    (run / "eval" / "mine" / "notes.txt").write_text("keep")
+    (run / "wandb" / "offline-run-1").mkdir(parents=True)
+    assert rundir.is_mode_run(run)
+    order = []
+    real_rmtree, real_unlink = shutil.rmtree, Path.unlink
+    monkeypatch.setattr(shutil, "rmtree", lambda p, *a, **k: (order.append(Path(p).name), real_rmtree(p, *a, **k)))
+    monkeypatch.setattr(Path, "unlink", lambda p, *a, **k: (order.append(p.name), real_unlink(p, *a, **k)))
+    rundir.empty_run_dir(run)
+    assert sorted(p.name for p in run.iterdir()) == ["eval", "wandb"]
+    assert (run / "eval" / "mine" / "notes.txt").read_text() == "keep" and (run / "wandb" / "offline-run-1").is_dir()
+    assert order[0] == "checkpoints" and order[-1] == "config.yaml", order
+
+
+def test_a_run_dir_or_prepared_dir_inside_another_run_is_refused(tmp_path):
+    """Bug caught: run.dir=RUN/nested (or data.prepared_dir=RUN/prep) was accepted; the outer run
+    then held a foreign entry and could be neither resumed nor started fresh. A compare runs_dir
+    (its LOCK beside its first run) is no run: its runs start."""
+    from mode import rundir
+    from mode.config import ConfigError, load_config
+    from mode.train import preflight
+
+    outer = tmp_path / "outer"
+    (outer / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (outer / "run_info.json").write_text('{"world_size": 1}')
+    for inner in (outer / "nested", outer / "tb" / "nested", outer / "checkpoints" / "x" / "y"):
+        with pytest.raises(ConfigError, match=f"run.dir=.*: a path outside the run directory {outer}"):
+            rundir.check(str(inner), False)
+    cfg = load_config(CFG, [*TINY, f"run.dir={tmp_path / 'other'}", f"data.prepared_dir={outer / 'prep'}"])
+    with pytest.raises(ConfigError, match=f"data.prepared_dir=.*: a path outside the run directory {outer}"):
+        preflight(cfg, prepare_data=False)
+    assert sorted(p.name for p in outer.iterdir()) == ["checkpoints", "run_info.json"]  # nothing written
+
+    grid = tmp_path / "grid"  # mode compare's runs_dir while it starts its first run
+    lock = rundir.DirLock(grid)
+    rundir.check(str(grid / "dense"), False)
+    (grid / "dense").mkdir()
+    assert rundir.run_above(grid / "dense") is None
+    lock.release()
+
+
+def test_a_run_with_checkpoints_but_no_config_is_not_resumed_under_another_config(tmp_path):
+    """Bug caught: with config.yaml gone (deleted, or a wipe killed half-way), the checkpoints
+    resumed under whatever config the start had: an LR schedule change went unchecked."""
+    from mode.config import ConfigError, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    (d / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (d / "run_info.json").write_text('{"world_size": 1}')
+    with pytest.raises(ConfigError, match=r"holds 1 checkpoints but no config.yaml"):
+        check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "optim.lr=0.5"]))
+    assert check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "run.fresh=true"])) is None
+
+
+def test_a_requeued_slurm_job_resumes_the_run_it_started_fresh(tmp_path):
+    """Bug caught: a job with run.fresh=true that SLURM requeued re-ran its command and deleted what
+    it had trained before the requeue. Fresh still holds for another job, a first start and a
+    second start in one interactive allocation (no restart count)."""
+    from mode.config import load_config
+    from mode.train import requeued_fresh_start
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run_info.json").write_text('{"world_size": 1, "slurm_job_id": "77"}')
+    fresh = load_config(CFG, [*TINY, f"run.dir={d}", "run.fresh=true"])
+    assert requeued_fresh_start(fresh, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
+    for env_ in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"},
+                 {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}, {}):
+        assert not requeued_fresh_start(fresh, env_), env_
+    assert not requeued_fresh_start(load_config(CFG, [*TINY, f"run.dir={d}"]),
+                                    {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
+
+
+def test_lock_probes_do_not_block_each_other(tmp_path):
+    """Bug caught: the probe (every rank of a start runs one at the same moment) took the lock
+    exclusively, so two probes at once read as "in use by" a dead holder and failed the start."""
+    import fcntl
+    import threading
+
+    from mode import rundir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": "old", "started": 0}))
+    with open(d / "LOCK", "rb") as other_probe:
+        fcntl.flock(other_probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another rank's probe, mid-flight
+        rundir.check_lock(d)
+        threading.Timer(0.1, fcntl.flock, (other_probe, fcntl.LOCK_UN)).start()
+        rundir.DirLock(d).release()  # the writer waits out the probe instead of failing
+
+
 def test_dir_lock_is_exclusive_and_names_the_holder(tmp_path):
     from mode import rundir
     from mode.config import ConfigError
@@ -657,6 +759,29 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
     (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
     with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
         check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
+
+
+def test_a_manifest_damaged_inside_still_parsing_falls_back(tmp_path):
+    """Bug caught: a manifest whose JSON parsed but whose entries were damaged ("bztes" for "bytes",
+    a list for the file table) crashed the resume with KeyError instead of falling back; and a
+    second checkpoint moved aside (step_N.bad2) made the run unrecognisable (refused on resume)."""
+    from mode import checkpoint as ckpt
+    from mode import rundir
+
+    root = tmp_path / "run" / "checkpoints"
+    good = _fake_checkpoint(root, 2, 0)
+    for i, damage in enumerate([lambda t: t.replace('"bytes"', '"bztes"', 1),
+                                lambda t: json.dumps({"step": 4, "files": list(json.loads(t)["files"])}),
+                                lambda t: json.dumps({"step": 4, "files": {"x": 3}})]):
+        bad = _fake_checkpoint(root, 4, 1)
+        m = bad / "MANIFEST.json"
+        m.write_text(damage(m.read_text()))
+        assert ckpt.verify(bad) == "unreadable MANIFEST.json", i
+        assert ckpt.newest_verified(root, log=lambda s: None) == good
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000002", "step_00000004.bad", "step_00000004.bad2", "step_00000004.bad3"]
+    (root.parent / "run_info.json").write_text('{"world_size": 1}')
+    assert rundir.is_mode_run(root.parent)
 
 
 def test_a_finished_run_without_checkpoints_is_not_silently_retrained(tmp_path):
