@@ -269,7 +269,8 @@ def skipped_line(skipped: list[tuple[Path, str]]) -> str:
 # (model, data, tokenizer, steps, batch, optimizer, precision) and the world size do.
 NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.stop_at", "train.log_every",
                 "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite",
-                "data.num_workers", "data.prepared_dir", "data.shard_tokens", "train.activation_checkpointing")
+                "data.num_workers", "data.prepared_dir", "data.shard_tokens", "train.activation_checkpointing",
+                "train.compile")
 
 
 def config_signature(run: RunLog) -> dict:

@@ -6,6 +6,7 @@ faults print one `error:` line naming the cause (exit 1). `--debug` shows traceb
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from mode.errors import OneLineParser as _OneLineParser  # bad options: one line, exit 2
@@ -83,7 +84,7 @@ def _generate(argv) -> int:
                    help="one JSON object per prompt and line: prompt, completion, num_tokens")
     a = p.parse_args(argv)
     checks = [("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-              ("--temperature", a.temperature, a.temperature >= 0, ">= 0 (0 = greedy)"),
+              ("--temperature", a.temperature, 0 <= a.temperature < math.inf, "a finite number >= 0 (0 = greedy)"),
               ("--top-k", a.top_k, a.top_k >= 0, ">= 0 (0 = all)"),
               ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
               ("--stop", a.stop, all(a.stop), "non-empty strings"),

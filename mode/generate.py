@@ -27,6 +27,7 @@ Python API:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,11 @@ def _sample(logits_BV, temperature: float, top_k: int, gen: torch.Generator, top
     top_k most likely ids (0 = all) and to the smallest set whose mass reaches top_p (1 = all)."""
     if temperature <= 0:
         return logits_BV.argmax(-1)
-    logits_BV = logits_BV / temperature
+    if not math.isfinite(temperature):
+        raise ValueError(f"temperature: a finite number, got {temperature}")
+    # shifted so the largest is 0: a tiny temperature scales the rest towards -inf, never past the
+    # float range to inf (whose softmax is NaN)
+    logits_BV = (logits_BV - logits_BV.amax(-1, keepdim=True)) / temperature
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
@@ -72,6 +77,8 @@ def _stop_rows(stop, B: int) -> list[list[str]] | None:
     row. None when no row has one."""
     if not stop:
         return None
+    if isinstance(stop, str):  # one string, not its characters
+        stop = [stop]
     if all(isinstance(s, str) for s in stop):
         rows = [list(stop)] * B
     else:
@@ -243,7 +250,7 @@ def complete(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temp
     `stop` strings; the completion is cut before it."""
     eos = tokenizer.eos_id
     ids = [[eos] + [int(i) for i in tokenizer.encode(p)] for p in prompts]
-    stop = list(stop or [])
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
     out = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed, eos_id=eos,
                        vocab_limit=min(tokenizer.vocab_size, model.cfg.vocab_size), top_p=top_p, stop=stop,
                        decode=tokenizer.decode)
@@ -332,17 +339,17 @@ def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperat
         raise ConfigError("--max-new-tokens", max_new_tokens, ">= 0")
     model, tok, _ = load_run(run_dir, device)
     limit = model.cfg.max_seq_len
-    for i, p in enumerate(prompts):
-        n_tok = 1 + len(tok.encode(p))  # the EOS that starts a document, then the prompt
-        if positions_needed(1, max_new_tokens) > limit:  # no prompt at all would fit: the count is at fault
-            raise ConfigError("--max-new-tokens", max_new_tokens, msg=None,
-                              allowed=f"at most {limit + 1 - n_tok} for prompt {i} ({n_tok} tokens with the leading "
-                                      f"EOS): prompt + new tokens - 1 <= the model's max_seq_len={limit}")
-        if positions_needed(n_tok, max_new_tokens) > limit:
-            raise ConfigError("--prompt", p if len(p) <= 40 else p[:37] + "...", msg=None,
-                              allowed=f"prompt {i} has {n_tok} tokens (with the leading EOS); with --max-new-tokens "
-                                      f"{max_new_tokens} that needs {positions_needed(n_tok, max_new_tokens)} positions "
-                                      f"> the model's max_seq_len={limit} (at most {limit + 1 - max_new_tokens} "
-                                      f"prompt tokens)")
+    n_tok = [1 + len(tok.encode(p)) for p in prompts]  # the EOS that starts a document, then the prompt
+    i = max(range(len(prompts)), key=n_tok.__getitem__, default=None)  # the longest prompt decides
+    if i is not None and n_tok[i] > limit:  # too long whatever the count
+        p = prompts[i]
+        raise ConfigError("--prompt", p if len(p) <= 40 else p[:37] + "...", msg=None,
+                          allowed=f"at most {limit} tokens with the leading EOS (the model's max_seq_len): prompt "
+                                  f"{i} has {n_tok[i]}")
+    if i is not None and positions_needed(n_tok[i], max_new_tokens) > limit:
+        raise ConfigError("--max-new-tokens", max_new_tokens, msg=None,
+                          allowed=f"at most {limit + 1 - n_tok[i]}: prompt {i}, the longest, has {n_tok[i]} tokens "
+                                  f"(with the leading EOS), and prompt + new tokens - 1 <= the model's "
+                                  f"max_seq_len={limit} (or shorten that prompt)")
     out = complete(model, tok, prompts, max_new_tokens, temperature, top_k, seed, top_p, stop)
     return out if completions else [c.prompt + c.completion for c in out]

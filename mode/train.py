@@ -33,7 +33,7 @@ from mode.plan import has_moe, layer_plan, routes_at_sampling
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
                   "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
                   "model.moe.ep_size", "data.num_workers", "data.prepared_dir", "data.shard_tokens",
-                  "train.activation_checkpointing", "train.allow_schedule_change", "perf.")
+                  "train.activation_checkpointing", "train.compile", "train.allow_schedule_change", "perf.")
 # Keys the LR schedule is computed from (mode/engine.py lr_lambda): changing one on resume
 # recomputes the schedule at the resumed step, so it needs train.allow_schedule_change.
 SCHEDULE_KEYS = ("train.max_steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio")

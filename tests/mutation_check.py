@@ -1,7 +1,7 @@
 """Do the tests catch the bugs they are named after? Plant one bug at a time (a mutant) in a copy
 of the tree and run the fast tests that should catch it; a mutant the tests pass is a missed bug.
 
-    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~20 min for all on 2 cores
+    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~15 min for all on 2 cores
 
 Each mutant is a one-line change a real implementation could plausibly get wrong (the mistakes
 other MoD and MoE implementations make, and the exact routing semantics README states). The copy
@@ -237,6 +237,13 @@ MUTANTS = [
      "fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)", "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", CKPT),
     ("a requeued fresh job deletes what it trained", "mode/train.py",
      '.get("slurm_job_id") == job', '.get("slurm_job_id") == job and False', CKPT),
+    # Session 11: sampling (issue #11 audit)
+    ("a tiny temperature overflows the logits", "mode/generate.py",
+     "(logits_BV - logits_BV.amax(-1, keepdim=True)) / temperature", "logits_BV / temperature", GEN),
+    ("a stop string is read as its characters", "mode/generate.py",
+     "    if isinstance(stop, str):  # one string, not its characters\n        stop = [stop]\n", "", GEN),
+    ("generate's length bound comes from the first prompt", "mode/generate.py",
+     "key=n_tok.__getitem__, default=None)", "key=lambda j: -j, default=None)", CKPT),
 ]
 
 

@@ -71,6 +71,19 @@ def test_sampling_seeded_topk_and_vocab_limit():
     assert all(0 <= t < 50 for row in a for t in row)
 
 
+def test_a_tiny_temperature_is_greedy_and_a_stop_string_is_one_string():
+    """Bugs caught: logits / 1e-45 overflowed to inf and the softmax to NaN (a RuntimeError); a
+    plain string as `stop` was read as its characters (stopping at the first one)."""
+    from mode.generate import _stop_rows
+
+    model = tiny()
+    greedy = generate_ids(model, PROMPTS, 6, temperature=0)
+    assert generate_ids(model, PROMPTS, 6, temperature=1e-45, seed=3) == greedy
+    with pytest.raises(ValueError, match="temperature"):
+        generate_ids(model, PROMPTS, 2, temperature=float("inf"))
+    assert _stop_rows("\n\n", 2) == [["\n\n"], ["\n\n"]]
+
+
 def test_eos_stops_a_row_and_length_limit():
     model = tiny()
     greedy = generate_ids(model, [[5]], 10, temperature=0)[0]

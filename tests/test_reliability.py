@@ -730,6 +730,8 @@ def test_top_level_help_and_unknown_command(capsys):
 
 
 def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, capsys):
+    """Bug caught: the error blamed --max-new-tokens with a bound from the first prompt (negative
+    for a prompt too long on its own; one the longest prompt then refused again)."""
     from mode.cli import main
     from mode.config import dump_config, load_config
     from mode.model import build_model
@@ -738,13 +740,37 @@ def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, ca
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     fake_checkpoint(tmp_path, 1, build_model(cfg.model).state_dict())
     monkeypatch.chdir(tmp_path)
-    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "62"]) == 0
+
+    def gen(*args):
+        code = main(["generate", "--run", str(tmp_path), *args])
+        return code, one_line(capsys.readouterr().err)
+
+    assert gen("--prompt", "ab", "--max-new-tokens", "62")[0] == 0
+    # 3 prompt tokens (with the leading EOS) + 63 new need 65 positions > 64
+    code, lines = gen("--prompt", "ab", "--max-new-tokens", "63")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: --max-new-tokens=63: at most 62: "
+                                                                 "prompt 0, the longest, has 3 tokens"), lines
+    long = "b" * 50  # the bound comes from the longest prompt, and following it works
+    n_long = 1 + len(load_run_tokenizer(tmp_path).encode(long))
+    code, lines = gen("--prompt", "x", "--prompt", long, "--max-new-tokens", "100")
+    assert code == 2 and lines[0].startswith(f"config error: --max-new-tokens=100: at most {65 - n_long}: prompt 1"), lines
+    assert gen("--prompt", "x", "--prompt", long, "--max-new-tokens", str(65 - n_long))[0] == 0
+    # a prompt too long on its own is the prompt's fault, whatever the count
+    code, lines = gen("--prompt", "x", "--prompt", "a b " * 40, "--max-new-tokens", "1")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: --prompt="), lines
+    assert "at most 64 tokens" in lines[0] and "prompt 1 has" in lines[0], lines
+    # temperatures: inf is refused in one line; a tiny one samples (the argmax), no NaN
+    code, lines = gen("--prompt", "ab", "--temperature", "inf")
+    assert code == 2 and lines == ["config error: --temperature=inf: a finite number >= 0 (0 = greedy)"], lines
+    tiny_t = gen("--prompt", "ab", "--temperature", "1e-45", "--max-new-tokens", "5")
+    assert tiny_t[0] == 0
     capsys.readouterr()
-    assert main(["generate", "--run", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "63"]) == 2
-    lines = one_line(capsys.readouterr().err)
-    # The limit is named: 3 prompt tokens (with the leading EOS) + 63 new need 65 positions > 64.
-    assert len(lines) == 1 and lines[0].startswith("config error: --prompt='ab'"), lines
-    assert "--max-new-tokens 63" in lines[0] and "max_seq_len=64" in lines[0], lines
+
+
+def load_run_tokenizer(run):
+    from mode.generate import load_run
+
+    return load_run(str(run), "cpu")[1]
 
 
 def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):

@@ -512,9 +512,12 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     (["--run", "{run}", "--prompt", "a", "--top-p", "1.5"], "--top-p=1.5: in (0, 1]"),
     (["--run", "{run}", "--prompt", "a", "--temperature", "-1"], "--temperature=-1.0"),
     (["--run", "{run}", "--prompt", "a", "--bogus"], "unrecognized arguments: --bogus"),
-    (["--run", "{run}", "--prompt", "y" * 60, "--max-new-tokens", "10"], "max_seq_len=64 (at most 55 prompt tokens)"),
-    (["--run", "{run}", "--prompt", "a", "--max-new-tokens", "100"],  # the count, not the prompt, is too long
-     "--max-new-tokens=100: at most 63 for prompt 0 (2 tokens with the leading EOS)"),
+    (["--run", "{run}", "--prompt", "y" * 60, "--max-new-tokens", "10"],
+     "--max-new-tokens=10: at most 4: prompt 0, the longest, has 61 tokens"),
+    (["--run", "{run}", "--prompt", "a", "--max-new-tokens", "100"],
+     "--max-new-tokens=100: at most 63: prompt 0, the longest, has 2 tokens"),
+    (["--run", "{run}", "--prompt", "a", "--prompt", "y" * 70, "--max-new-tokens", "1"],  # the prompt alone is too long
+     "at most 64 tokens with the leading EOS (the model's max_seq_len): prompt 1 has 71"),
     (["--run", "{run}", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
     (["--run", "{run}"], "at least one --prompt"),
     (["--run", "{run}", "--prompt", "a", "--seed", str(2**64)], "--seed=18446744073709551616: an integer in"),
