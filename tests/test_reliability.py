@@ -785,6 +785,8 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
     (d / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, *moe])))
     with pytest.raises(ConfigError, match="model.moe.backend: 'native' -> 'deepspeed'"):
         check_run_dir(load_config(CFG, [*TINY, *moe, "model.moe.backend=deepspeed"]))
+    # compiling changes how blocks run, not the weights' names: a resume may switch it (README, Speed)
+    assert check_run_dir(load_config(CFG, [*TINY, *moe, "train.compile=true"])) is not None
 
 
 def test_a_manifest_damaged_inside_still_parsing_falls_back(tmp_path):
