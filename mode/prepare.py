@@ -47,7 +47,15 @@ EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".r
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
               "eos_token", "val_fraction", "max_documents", "split_seed")
 HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
-DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv")  # not code: a corpus of .py files may hold test.py
+CODE_SUFFIXES = (".py", ".md", ".rst")  # a corpus of code may hold test.py: its names say nothing of splits
+
+
+def held_out_named(f: str) -> bool:
+    """A data file named as a held-out split: the name or a part of it split at `.`, `-`, `_`
+    (validation.txt, validation-00000-of-00001.parquet as the hub names shards, wiki.valid.raw)."""
+    p = Path(f)
+    return p.suffix.lower() not in CODE_SUFFIXES and any(
+        part in HELD_OUT_NAMES for part in re.split(r"[._-]", p.stem.lower()))
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
@@ -87,7 +95,8 @@ class HFTokenizer:
 
         self.file, self.eos_id, self.identity = file, eos_id, identity
         self.tok = Tokenizer.from_file(file)
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # ids + 1, not their count: a vocabulary with holes has ids past its count (uint16 would wrap them)
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -278,11 +287,12 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     # A data file named as a held-out split beside the training files: with val_fraction alone, whole
     # files would be drawn into either split (a text file is one document), and the validation file
     # trained on. Refused: the user says which file is which.
-    held = [f for f in files if Path(f).stem.lower() in HELD_OUT_NAMES and Path(f).suffix.lower() in DATA_SUFFIXES]
+    held = [f for f in files if held_out_named(f)]
     if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
         raise ConfigError("data.val_source", "", f"the held-out file in data.source={spec}: set "
                           f"data.val_source={held[0]} (its documents become the validation set and are never "
-                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} out of data.source")
+                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} (or with such a part "
+                          "in their name) out of data.source")
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if local:
         if not files:
@@ -355,6 +365,18 @@ def _local_rows(it, key: str, spec: str):
 def _first_line(e: BaseException) -> str:
     s = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return f"{type(e).__name__}: {s[:200]}"
+
+
+def current_files(cfg: DataConfig) -> set[str]:
+    """The local files the source and val_source name now (absolute paths, as fingerprinted)."""
+    out = set()
+    for spec, key in ((cfg.source, "data.source"), (cfg.val_source, "data.val_source")):
+        if spec and (looks_local(spec) or spec == "stdlib"):
+            try:
+                out |= {os.path.abspath(f) for f in source_files(spec, key)}
+            except ConfigError:  # matches nothing now: the fingerprint's files are reported gone
+                pass
+    return out
 
 
 def fingerprint(files: list[str]) -> list:
@@ -454,6 +476,8 @@ class ShardWriter:
         if self._f is None:
             name = f"{self.split}_{len(self.shards):05d}"
             self._name, self._f, self._n = name, open(self.root / f"{name}.bin", "wb"), 0
+        if len(flat) and int(flat.max()) > np.iinfo(self.dtype).max:  # never wrap an id silently
+            raise ValueError(f"token id {int(flat.max())} does not fit {np.dtype(self.dtype).name}")
         self._f.write(flat.astype(self.dtype).tobytes())
         self._ends.append(self._n + np.cumsum(lens))
         self._bytes.append(np.asarray(nbytes, dtype=np.int64))
@@ -640,6 +664,9 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
     if manifest.get("eos_id") != tok.eos_id or manifest.get("vocab_size") != tok.vocab_size:
         why.append("the tokenizer's EOS id or vocabulary size changed")
     old_fp = {p: (s, m) for p, s, m in manifest.get("fingerprint", [])}
+    added = sorted(current_files(cfg) - set(old_fp))
+    if added:  # a file added to a source directory or glob would never be trained on
+        why.append(f"{added[0]} is new" + (f" (and {len(added) - 1} more)" if len(added) > 1 else ""))
     for p, (s, m) in old_fp.items():
         if not os.path.exists(p):
             why.append(f"{p} is gone")
@@ -860,9 +887,15 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     workers = cfg.num_workers or usable_cores()
     bar = None
 
+    def save_hashes():  # whole or not at all: a kill mid-write must not leave a torn file
+        np.save(tmp / "val_hashes.new.npy", np.array(sorted(seen), dtype=np.uint64))
+        os.replace(tmp / "val_hashes.new.npy", tmp / "val_hashes.npy")
+
     def checkpoint(phase, read):
         train.close()
         val.close()
+        if phase == "val":  # the hashes of the validation documents read so far, before progress says so:
+            save_hashes()   # a resume must still keep every one of them out of training
         f = tmp / (PROGRESS + ".new")
         f.write_text(json.dumps({**key, "phase": phase, "read": read, "n": n, "dup": dup,
                                  "train": train.summary(), "val": val.summary()}))
@@ -887,7 +920,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             for flat, lens, hashes, nbytes in stream(val_docs, read):
                 val.add(flat, lens, nbytes)
                 seen.update(hashes.tolist())
-            np.save(tmp / "val_hashes.npy", np.array(sorted(seen), dtype=np.uint64))
+            save_hashes()
             phase, read = "train", 0
             checkpoint(phase, read)
         if val_docs is not None:
@@ -976,7 +1009,7 @@ def _resume_state(tmp: Path, key: dict) -> dict | None:
     st = json.loads(f.read_text()) if f.is_file() else None
     if st is not None and any(st.get(k) != v for k, v in key.items()):
         st = None  # another config or changed source files: start over
-    keep = {MARKER, PROGRESS} | ({"val_hashes.npy"} if st and st["phase"] == "train" else set())
+    keep = {MARKER, PROGRESS} | ({"val_hashes.npy"} if st else set())  # (val phase too: the documents read so far)
     if st:
         keep |= {x[k] for sp in ("train", "val") for x in st[sp]["shards"] for k in ("file", "docs", "doc_bytes")
                  if k in x}

@@ -244,6 +244,19 @@ MUTANTS = [
      "    if isinstance(stop, str):  # one string, not its characters\n        stop = [stop]\n", "", GEN),
     ("generate's length bound comes from the first prompt", "mode/generate.py",
      "key=n_tok.__getitem__, default=None)", "key=lambda j: -j, default=None)", CKPT),
+    # Session 11: data (issue #10 audit)
+    ("a prepare resumed mid-validation deletes the hashes read so far", "mode/prepare.py",
+     '{"val_hashes.npy"} if st else set()', '{"val_hashes.npy"} if st and st["phase"] == "train" else set()',
+     ["tests/test_data.py"]),
+    ("validation hashes saved only when the validation phase ends", "mode/prepare.py",
+     '        if phase == "val":  # the hashes', '        if False:  # the hashes', ["tests/test_data.py"]),
+    ("a file added to the source is not stale", "mode/prepare.py",
+     "added = sorted(current_files(cfg) - set(old_fp))", "added = []", ["tests/test_data.py"]),
+    ("held-out split names matched only as the whole name", "mode/prepare.py",
+     'for part in re.split(r"[._-]", p.stem.lower()))', "for part in [p.stem.lower()])", ["tests/test_data.py"]),
+    ("the vocabulary is the count of ids, not the largest + 1", "mode/prepare.py",
+     "max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1",
+     "self.tok.get_vocab_size(with_added_tokens=True)", ["tests/test_data.py"]),
 ]
 
 

@@ -196,7 +196,8 @@ def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
                                       "data.num_workers=1"]))
 
 
-@pytest.mark.parametrize("name", ["validation.txt", "test.jsonl"])
+@pytest.mark.parametrize("name", ["validation.txt", "test.jsonl", "validation-00000-of-00001.parquet",
+                                  "wiki.valid.raw"])
 def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
     """Bug caught: a folder with train.txt and validation.txt was two documents, one drawn at random as
     the validation set: with split_seed 0, 1 or 2 the model trained on validation.txt. Refused in one
@@ -204,11 +205,21 @@ def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
     d = tmp_path / "corpus"
     d.mkdir()
     (d / "train.txt").write_text("training text " * 50)
-    (d / name).write_text("held out text " * 5 if name.endswith(".txt") else json.dumps({"text": "held out"}))
+    if name.endswith(".parquet"):  # the hub's shard naming
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": ["held out"]}), d / name)
+        (d / "train.txt").unlink()
+        pq.write_table(pa.table({"text": ["training text"] * 5}), d / "train-00000-of-00001.parquet")
+    else:
+        (d / name).write_text(json.dumps({"text": "held out"}) if name.endswith(".jsonl") else "held out text " * 5)
     with pytest.raises(ConfigError, match=rf"^config error: data.val_source='': the held-out file in "
                                           rf"data.source={d}: set data.val_source={d / name} "):
         prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)
     assert not (tmp_path / "prepared").exists() or not any((tmp_path / "prepared").iterdir())
+    if name.endswith(".parquet"):
+        return  # (the rest adds text files)
     (d / name).unlink()
     (d / "test.py").write_text("def test():\n    pass\n" * 20)
     (d / "more.txt").write_text("more training text " * 50)
@@ -380,6 +391,79 @@ def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ConfigError, match=r"data.split_seed: 7 -> 1234"):
         check_data(cfg)
+
+
+def test_a_prepare_killed_while_reading_validation_still_keeps_it_out_of_training(tmp_path, monkeypatch):
+    """Bug caught: the validation documents' hashes were saved only when the validation phase ended,
+    so a prepare killed after a validation shard and resumed forgot them: training documents equal
+    to those validation documents were trained on (3,929 of 6,898 in the audit's corpus)."""
+    d = tmp_path / "c"
+    d.mkdir()
+    val_lines = [f"validation line number {i} " * 3 for i in range(40)]
+    (d / "heldout.txt").write_text("\n".join(val_lines) + "\n")
+    (d / "train.txt").write_text("\n".join(val_lines + [f"training line {i} " * 3 for i in range(40)]) + "\n")
+    kw = dict(source=str(d / "train.txt"), val_source=str(d / "heldout.txt"), sample_by="line", shard_tokens=300)
+    real = prep._batches
+    monkeypatch.setattr(prep, "_batches", lambda docs: real(docs, max_docs=2))
+    clean = prep.prepare(dcfg(tmp_path / "clean", **kw), progress=False)
+    cfg = dcfg(tmp_path / "p", **kw)
+    out = prep.prepared_path(cfg)
+    tmp = out.parent / f"{out.name}.tmp"
+    add = prep.ShardWriter.add
+
+    def dies_in_validation(self, *a):  # killed once a validation shard is recorded as done
+        f = tmp / "progress.json"
+        if f.is_file() and json.loads(f.read_text())["phase"] == "val" and json.loads(f.read_text())["val"]["shards"]:
+            raise KeyboardInterrupt
+        return add(self, *a)
+
+    monkeypatch.setattr(prep.ShardWriter, "add", dies_in_validation)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(cfg, progress=False)
+    monkeypatch.setattr(prep.ShardWriter, "add", add)
+    assert prep.prepare(cfg, progress=False) == out
+    train, val = documents(out, "train"), documents(out, "val")
+    assert sorted(val) == sorted(val_lines) and not set(train) & set(val)
+    assert prep.read_manifest(out)["splits"] == prep.read_manifest(clean)["splits"]
+
+
+def test_a_file_added_to_the_source_makes_the_prepared_data_stale(tmp_path):
+    """Bug caught: a file added to a source directory was never trained on, and nothing said so
+    (only files already fingerprinted were checked)."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("first document " * 40)
+    (d / "b.txt").write_text("second document " * 40)
+    cfg = load_config(None, [f"data.source={d}", f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1",
+                             "data.seq_len=16", "data.val_fraction=0.5"])
+    check_data(cfg)
+    (d / "c.txt").write_text("third document " * 40)
+    with pytest.raises(ConfigError, match=r"is stale \(.*c.txt is new\)"):
+        check_data(cfg)
+
+
+def test_token_ids_past_the_vocabulary_count_are_not_wrapped(tmp_path):
+    """Bug caught: a tokenizer whose ids have holes (4 tokens, one of them id 65539) counted a
+    vocabulary of 4: its shards were uint16 and id 65539 was stored as 3."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"</s>": 0, "<unk>": 1, "alpha": 2, "beta": 65539}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    hf = prep.build_tokenizer(DataConfig(tokenizer=str(tmp_path / "tok")))
+    assert hf.vocab_size == 65540 and hf.encode("alpha beta").tolist() == [2, 65539]
+    (tmp_path / "c").mkdir()
+    for i in range(4):
+        (tmp_path / "c" / f"{i}.txt").write_text("alpha beta " * (i + 2))
+    path = prep.prepare(dcfg(tmp_path, source=str(tmp_path / "c"), tokenizer=str(tmp_path / "tok"),
+                             val_fraction=0.25), progress=False)
+    m = prep.read_manifest(path)
+    assert m["dtype"] == "uint32"
+    toks = np.concatenate([np.fromfile(path / s["file"], dtype=m["dtype"]) for s in m["splits"]["train"]["shards"]])
+    assert 65539 in toks.tolist() and 3 not in toks.tolist()
 
 
 def test_leftovers_of_a_killed_prepare_are_replaced(corpus, tmp_path):
