@@ -78,8 +78,8 @@ def causal_routing_acc(run: RunLog) -> float | None:
     return None
 
 
-def causal_gap(run: RunLog) -> float | None:
-    a, b = run.last("eval/loss_causal"), run.last("eval/loss")
+def causal_gap(run: RunLog, step: int | None = None) -> float | None:
+    a, b = run.at("eval/loss_causal", step), run.at("eval/loss", step)
     return None if a is None or b is None else a - b
 
 
@@ -90,6 +90,7 @@ class Metric:
     reduce: Callable[[RunLog], float | None]
     fmt: Callable[[float], str]
     constant: bool = False  # a property of the model (params, FLOPs): no spread shown when seeds agree
+    at_eval_step: bool = False  # reduce(run, step): read at the variant's common evaluation step
 
 
 def _rate(x: float) -> str:
@@ -97,18 +98,20 @@ def _rate(x: float) -> str:
 
 
 METRICS: list[Metric] = [
-    Metric("eval_loss", "eval loss", lambda r: r.last("eval/loss"), lambda x: f"{x:.4f}"),
+    Metric("eval_loss", "eval loss", lambda r, s: r.at("eval/loss", s), lambda x: f"{x:.4f}", at_eval_step=True),
     # bits per UTF-8 byte of the evaluated text: compares runs with different tokenizers
-    Metric("eval_bpb", "eval bits/byte", lambda r: r.last("eval/bpb"), lambda x: f"{x:.4f}"),
-    Metric("eval_loss_causal", "eval loss (causal routing)", lambda r: r.last("eval/loss_causal"),
-           lambda x: f"{x:.4f}"),
-    Metric("causal_gap", "causal − top-k", causal_gap, lambda x: f"{x:+.4f}"),
+    Metric("eval_bpb", "eval bits/byte", lambda r, s: r.at("eval/bpb", s), lambda x: f"{x:.4f}", at_eval_step=True),
+    Metric("eval_loss_causal", "eval loss (causal routing)", lambda r, s: r.at("eval/loss_causal", s),
+           lambda x: f"{x:.4f}", at_eval_step=True),
+    Metric("causal_gap", "causal − top-k", causal_gap, lambda x: f"{x:+.4f}", at_eval_step=True),
     Metric("params", "params", lambda r: r.info.get("params"), si, constant=True),
     Metric("flops_per_token", "fwd FLOPs/token", forward_flops_per_token, si, constant=True),
     Metric("tokens_per_s", "tokens/s", lambda r: median_after_warmup(r, "perf/tokens_per_s"), _rate),
     Metric("step_time_s", "step time (s)", lambda r: median_after_warmup(r, "perf/step_time_s"), lambda x: f"{x:.4g}"),
     Metric("mfu", "MFU", lambda r: median_after_warmup(r, "perf/mfu"), lambda x: f"{x:.2%}"),
-    Metric("memory_gb", "peak mem (GB)", lambda r: r.last("perf/memory_gb"), lambda x: f"{x:.3g}"),
+    # the largest logged: each process (a resume starts one) measures its own peak from zero
+    Metric("memory_gb", "peak mem (GB)", lambda r: max(r.series("perf/memory_gb")[1], default=None),
+           lambda x: f"{x:.3g}"),
     Metric("dropped_tokens_frac", "dropped tokens", lambda r: layer_mean_of_last(r, "moe", "dropped_tokens_frac"),
            lambda x: f"{x:.2%}"),
     Metric("noop_frac", "no-op", lambda r: layer_mean_of_last(r, "moe", "noop_frac"), lambda x: f"{x:.2%}"),
@@ -116,14 +119,15 @@ METRICS: list[Metric] = [
 ]
 
 
-def run_summary(run: RunLog) -> dict:
-    """{metric key: value or None} plus identity and progress of one run."""
+def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
+    """{metric key: value or None} plus identity and progress of one run; eval metrics at
+    `eval_step` (the last evaluation at or before it; None: the last)."""
     # the *_vs_tokens / *_vs_mflops series carry tokens or MFLOPs as their step, not the training step
     steps = [pts[-1].step for tag, pts in run.scalars.items() if pts and not tag.endswith(("_vs_tokens", "_vs_mflops"))]
     out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
-           "last_step": max(steps) if steps else None, "config_diff": run.config_diff}
+           "last_step": max(steps) if steps else None, "config_diff": run.config_diff, "eval_step": eval_step}
     for m in METRICS:
-        v = m.reduce(run)
+        v = m.reduce(run, eval_step) if m.at_eval_step else m.reduce(run)
         out[m.key] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
     return out
 
@@ -150,11 +154,16 @@ def aggregate(values: list[float | None]) -> Stat | None:
 
 
 def variant_table(runs: list[RunLog]) -> dict[str, dict]:
-    """{variant: {"seeds": [...], "runs": [run summaries], metric key: Stat | None}}."""
+    """{variant: {"seeds": [...], "eval_step": int | None, "runs": [run summaries], metric key: Stat | None}}.
+    Eval metrics of every seed are read at `eval_step`, the last evaluation all of them reached: a
+    seed stopped early (train.stop_at, or still running) is compared at its step, not averaged
+    with the others' later losses."""
     table = {}
     for variant, vruns in group_by_variant(runs).items():
-        summaries = [run_summary(r) for r in vruns]
-        row: dict = {"seeds": [r.seed for r in vruns], "runs": summaries}
+        ends = [s for s in (r.last_step("eval/loss") for r in vruns) if s is not None]
+        eval_step = min(ends) if ends else None
+        summaries = [run_summary(r, eval_step) for r in vruns]
+        row: dict = {"seeds": [r.seed for r in vruns], "eval_step": eval_step, "runs": summaries}
         for m in METRICS:
             row[m.key] = aggregate([s[m.key] for s in summaries])
         table[variant] = row
@@ -164,10 +173,10 @@ def variant_table(runs: list[RunLog]) -> dict[str, dict]:
 def table_markdown(table: dict[str, dict]) -> str:
     """The variant table; columns nobody logged are left out (e.g. no MoE in the grid)."""
     metrics = [m for m in METRICS if any(row[m.key] is not None for row in table.values())]
-    head = ["variant", "seeds"] + [m.label for m in metrics]
+    head = ["variant", "seeds", "eval step"] + [m.label for m in metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
-        cells = [f"`{variant}`", str(len(row["seeds"]))]
+        cells = [f"`{variant}`", str(len(row["seeds"])), "—" if row["eval_step"] is None else str(row["eval_step"])]
         cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant) for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -490,12 +499,14 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   + " |" for r in group]
         lines.append("")
     lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
-              "Eval losses are the last evaluation; tokens/s and step time are medians over logged points "
+              "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
+              "stopped early is not averaged with the others' later losses); tokens/s and step time are medians over logged points "
               "without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, or of the router's sign rule without one). "
               "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
               "top-k routing. MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "
-              "run_info.json); peak mem: the last perf/memory_gb.", ""]
+              "run_info.json); peak mem: the largest perf/memory_gb logged (each process of a resumed run "
+              "measures its own peak).", ""]
     over = [r for r in runs if (median_after_warmup(r, "perf/mfu") or 0.0) > 1.0]
     if over:  # achieved FLOP/s above the peak: the peak, not the run, is wrong
         lines += ["**MFU above 100%** in " + ", ".join(f"`{_rel(r.path, runs_dir)}` "
@@ -577,7 +588,7 @@ def summary_json(table: dict[str, dict]) -> dict:
     """The table as plain JSON: per variant, per metric {mean, std, n} and the per-run values."""
     out = {}
     for variant, row in table.items():
-        out[variant] = {"seeds": row["seeds"], "runs": row["runs"]}
+        out[variant] = {"seeds": row["seeds"], "eval_step": row["eval_step"], "runs": row["runs"]}
         for m in METRICS:
             st = row[m.key]
             out[variant][m.key] = None if st is None else {"mean": st.mean, "std": None if math.isnan(st.std)

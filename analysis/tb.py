@@ -82,6 +82,15 @@ class RunLog:
         pts = self.scalars.get(tag)
         return pts[-1].value if pts else None
 
+    def at(self, tag: str, step: int | None) -> float | None:
+        """Value at the highest logged step <= `step` (the last one for None), or None."""
+        pts = [p for p in self.scalars.get(tag, []) if step is None or p.step <= step]
+        return pts[-1].value if pts else None
+
+    def last_step(self, tag: str) -> int | None:
+        pts = self.scalars.get(tag)
+        return pts[-1].step if pts else None
+
     def cfg(self, dotted: str, default=None):
         """A value of the resolved config by dotted key (`train.max_steps`), or `default`."""
         node = self.config

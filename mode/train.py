@@ -478,17 +478,19 @@ class Trainer:
                     print(console.progress_line(self.step, t.max_steps, vals), flush=True)
                 t_log, steps_since = time.perf_counter(), 0
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                t0 = time.perf_counter()
                 ev = self.evaluate()
                 row.update({**ev, **self._seen()})
-                t_log = time.perf_counter()  # eval time is not training time
+                t_log += time.perf_counter() - t0  # eval time is not training time (steps before it still count)
                 if bar is None and self.rank == 0:
                     print(f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in ev.items()),
                           flush=True)
             self.log.write(row, self.step)
             last.update(row)
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
+                t0 = time.perf_counter()
                 self.save()
-                t_log = time.perf_counter()
+                t_log += time.perf_counter() - t0  # nor is saving
             if bar is not None:
                 bar.update(1)
         if bar is not None:

@@ -372,6 +372,37 @@ def test_mfu_above_100_percent_is_called_out(tmp_path):
     assert "`dense_seed0` (" not in md
 
 
+def test_a_seed_stopped_early_is_compared_at_its_step_and_peak_memory_is_the_largest(tmp_path):
+    """Bugs caught: a seed stopped at step 3 (train.stop_at) was averaged, at step 3, with seeds'
+    step-6 losses and the table said only "the last evaluation"; a resumed run's peak memory was its
+    last process's (each process measures its own peak from zero)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    losses = {0: {0: 6.0, 3: 5.0, 6: 4.0}, 1: {0: 6.2, 3: 5.2, 6: 4.2}, 2: {0: 6.1, 3: 5.6}}  # seed 2 stopped
+    for seed, evals in losses.items():
+        d = root / f"dense_seed{seed}"
+        _write_run(d, "dense", seed, 9.9)  # (its eval/loss at step 10 is rewritten below)
+        shutil.rmtree(d / "tb")
+        w = SummaryWriter(str(d / "tb"))
+        for step, v in evals.items():
+            w.add_scalar("eval/loss", v, step)
+        for step, gb in ((2, 0.7), (4, 0.5), (6, 0.55)):  # resumed after step 2: a new process, a lower peak
+            w.add_scalar("perf/memory_gb", gb, step)
+        w.close()
+        if seed == 2:
+            (d / "DONE").unlink()
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    dense = json.loads((out / "summary.json").read_text())["dense"]
+    assert dense["eval_step"] == 3 and [r["eval_step"] for r in dense["runs"]] == [3, 3, 3]
+    assert dense["eval_loss"]["mean"] == pytest.approx((5.0 + 5.2 + 5.6) / 3) and dense["eval_loss"]["n"] == 3
+    assert dense["memory_gb"]["mean"] == pytest.approx(0.7)
+    md = (out / "report.md").read_text()
+    assert "| variant | seeds | eval step |" in md and "| `dense` | 3 | 3 |" in md, md
+    assert "the last evaluation every seed of the variant reached" in md
+
+
 def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     root = tmp_path / "runs"
     _write_run(root / "a" / "dense_seed0", "dense", 0, 2.0)

@@ -534,3 +534,21 @@ def wandb_records(path: Path):
             rec.ParseFromString(buf)
             yield rec
             buf = b""
+
+
+@pytest.mark.slow
+def test_step_time_counts_every_step_when_an_eval_falls_between_logs(tmp_path):
+    """Bug caught: an evaluation (or a save) between two log steps restarted the interval clock, so
+    the next log divided one step's time by two steps: tokens/s, TFLOP/s and MFU doubled there
+    (MFU 0.51 between 0.28 and 0.27) and perf/elapsed_s lost the steps before the eval. Every step
+    is made to take at least 0.3 s: no logged step time may be shorter."""
+    run = tmp_path / "run"
+    code = ("import sys, time\nimport mode.train as t\nstep = t.Trainer.train_step\n"
+            "def slow(self, acc):\n    time.sleep(0.3)\n    step(self, acc)\n"
+            "t.Trainer.train_step = slow\nsys.exit(t.main(sys.argv[1:]))")
+    subprocess.run([PY, "-c", code, "--config", CFG, *TINY, "train.max_steps=4", "train.log_every=2",
+                    "train.eval_every=3", "checkpoint.every=3", f"run.dir={run}"],
+                   cwd=ROOT, env=env(2), check=True, capture_output=True, timeout=600)
+    step_time, elapsed = scalars(run, "perf/step_time_s"), scalars(run, "perf/elapsed_s")
+    assert list(step_time) == [2, 4] and all(v >= 0.3 for v in step_time.values()), step_time
+    assert elapsed[4] >= 4 * 0.3, elapsed
