@@ -63,9 +63,12 @@ class Accumulator:
 # ----------------------------------------------------------------------------------------------
 # Efficiency: model FLOPs utilisation against a per-device peak.
 
-# Dense peak TFLOP/s per device from the vendors' datasheets (SXM parts; bf16 tensor cores without
-# sparsity, fp32 = plain FP32 without TF32).
-PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp32": 67.0}, "H100": {"bf16": 989.0, "fp32": 67.0},
+# Dense peak TFLOP/s per device from the vendors' datasheets (bf16 tensor cores without sparsity,
+# fp32 = plain FP32 without TF32). Matched in order, as a part of the device name: the PCIe and NVL
+# parts of a family run lower clocks than its SXM part (a bare family name), so they come first.
+PEAK_TFLOPS = {"H100 PCIe": {"bf16": 756.0, "fp32": 51.0}, "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
+               "H200 NVL": {"bf16": 835.0, "fp32": 60.0},
+               "H200": {"bf16": 989.0, "fp32": 67.0}, "H100": {"bf16": 989.0, "fp32": 67.0},
                "A100": {"bf16": 312.0, "fp32": 19.5}}
 
 

@@ -257,6 +257,13 @@ MUTANTS = [
     ("the vocabulary is the count of ids, not the largest + 1", "mode/prepare.py",
      "max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1",
      "self.tok.get_vocab_size(with_added_tokens=True)", ["tests/test_data.py"]),
+    # Session 11: reports (issue #15 audit)
+    ("a seed stopped early is averaged at its own last evaluation", "analysis/report.py",
+     "eval_step = min(ends) if ends else None", "eval_step = None", ["tests/test_analysis.py"]),
+    ("peak memory is the last process's", "analysis/report.py",
+     'max(r.series("perf/memory_gb")[1], default=None)', 'r.last("perf/memory_gb")', ["tests/test_analysis.py"]),
+    ("an H100 PCIe gets the SXM peak", "mode/metrics.py",
+     'PEAK_TFLOPS = {"H100 PCIe": {"bf16": 756.0, "fp32": 51.0}, ', "PEAK_TFLOPS = {", ["tests/test_logging.py"]),
 ]
 
 

@@ -82,7 +82,10 @@ def test_efficiency_is_training_flops_over_peak():
 
 @pytest.mark.parametrize("name,precision,peak", [("NVIDIA H200", "bf16", 989.0), ("NVIDIA H100 80GB HBM3", "fp32", 67.0),
                                                   ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-                                                  ("NVIDIA A100-SXM4-40GB", "fp32", 19.5)])
+                                                  ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+                                                  # lower-clocked parts of a family: not the SXM peak
+                                                  ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "fp32", 60.0),
+                                                  ("NVIDIA H200 NVL", "bf16", 835.0)])
 def test_gpu_peak_is_the_datasheet_value_for_the_precision(monkeypatch, name, precision, peak):
     """The MFU denominator on a GPU: NVIDIA's dense (no sparsity) tensor-core bf16 / plain fp32
     TFLOP/s of the SXM parts, chosen by deepspeed.precision. An unknown GPU gives NaN and says so."""
