@@ -516,8 +516,9 @@ def status(run: GridRun) -> tuple[str, int]:
 
 
 def resume_hint(run: GridRun) -> str:
-    # with run.fresh=true the same command would delete the runs again, this one's progress included
-    return ("invoke the same command without run.fresh=true to resume it" if run.cfg.run.fresh
+    # with run.fresh=true (on the command line or in the experiment) the same command would delete
+    # the runs again, this one's progress included: a last override turns it off
+    return ("invoke the same command with run.fresh=false added to resume it" if run.cfg.run.fresh
             else "invoke the same command again to resume it")
 
 

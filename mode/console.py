@@ -90,10 +90,13 @@ def use_bar(progress: bool) -> bool:
     return progress and sys.stdout.isatty()
 
 
-def continue_command(config: str, overrides: list[str]) -> str:
+def continue_command(config: str, overrides: list[str], fresh: bool = False) -> str:
     """The command that continues a run stopped by train.stop_at: the same, without stop_at and
-    without run.fresh (which would delete what this start trained)."""
+    without run.fresh (which would delete what this start trained; `fresh`: the resolved config
+    has it, maybe from the YAML file, so run.fresh=false is added)."""
     rest = [o for o in overrides if not o.startswith(("train.stop_at=", "run.fresh="))]
+    if fresh:  # maybe from the config file too: an override turns it off whatever set it
+        rest.append("run.fresh=false")
     cmd = shlex.join(["mode", "train", "--config", config, *rest])
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # a single-process `mode train` would be refused: the checkpoint belongs to this world size

@@ -47,15 +47,20 @@ EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".r
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
               "eos_token", "val_fraction", "max_documents", "split_seed")
 HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
-CODE_SUFFIXES = (".py", ".md", ".rst")  # a corpus of code may hold test.py: its names say nothing of splits
+# Data files only (not code: a Go package holds foo_test.go, a C project test.c), with wikitext's .raw/.tokens.
+DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".raw", ".tokens")
 
 
 def held_out_named(f: str) -> bool:
-    """A data file named as a held-out split: the name or a part of it split at `.`, `-`, `_`
-    (validation.txt, validation-00000-of-00001.parquet as the hub names shards, wiki.valid.raw)."""
+    """A data file named as a held-out split: the whole name (validation.txt), the name of a
+    numbered shard (validation-00000-of-00001.parquet, as the hub names them) or the last part of
+    a dotted/dashed name (wiki.valid.raw, corpus_test.jsonl); not Test_cricket.txt or dev_log.txt."""
     p = Path(f)
-    return p.suffix.lower() not in CODE_SUFFIXES and any(
-        part in HELD_OUT_NAMES for part in re.split(r"[._-]", p.stem.lower()))
+    if p.suffix.lower() not in DATA_SUFFIXES:
+        return False
+    parts = re.split(r"[._-]", p.stem.lower())
+    shard = parts[0] in HELD_OUT_NAMES and all(x.isdigit() or x == "of" for x in parts[1:])
+    return shard or parts[-1] in HELD_OUT_NAMES
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 

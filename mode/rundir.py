@@ -129,8 +129,13 @@ def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = 
     below = out if below_only else None
     for d in (out.parents if below_only else (out, *out.parents)):
         # a run as is_mode_run proves it: a project folder with its own checkpoints/ or tb/ is none
-        if (below is None or below.name != owned) and is_mode_run(d, below.name if below is not None else None):
-            return d
+        # (a stat first, and an unreadable directory is none: see run_above)
+        try:
+            if (below is None or below.name != owned) and any((d / s).exists() for s in SIGNATURES) \
+                    and is_mode_run(d, below.name if below is not None else None):
+                return d
+        except OSError:
+            pass
         below = d
     return None
 
@@ -148,11 +153,17 @@ def run_above(d: Path) -> Path | None:
     """The run that writing the directory `d` would nest inside (a foreign entry in it: that run
     could no longer be resumed), or None. A LOCK alone proves nothing here: a `mode compare`
     runs_dir holds one beside its first run."""
+    proofs = (CHECKPOINTS, "tb", "run_info.json")
     d = d.expanduser().resolve()
     below = d
     for p in d.parents:
-        if is_mode_run(p, below.name, proofs=(CHECKPOINTS, "tb", "run_info.json")):
-            return p
+        # a stat per proof first: listing every ancestor would fail under a walk-only (--x) parent
+        # such as many clusters' /home, and cost a listing of each big project directory
+        try:
+            if any((p / s).exists() for s in proofs) and is_mode_run(p, below.name, proofs=proofs):
+                return p
+        except OSError:  # unreadable: not provably a run
+            pass
         below = p
     return None
 

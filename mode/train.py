@@ -336,8 +336,10 @@ class Trainer:
         if self.rank == 0:
             print(f"resumed from {last} at step {self.step}", file=sys.stderr)
 
-    def save(self) -> None:
-        state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s, "world_size": self.world}
+    def save(self, pending_s: float = 0.0) -> None:
+        """`pending_s`: training time since the last log, not yet in elapsed_s (a resume must count it)."""
+        state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
+                 "world_size": self.world}
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,
                   rank_state={"log_sums": self.acc.state_dict()})
 
@@ -489,7 +491,7 @@ class Trainer:
             last.update(row)
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:
                 t0 = time.perf_counter()
-                self.save()
+                self.save(pending_s=t0 - t_log)
                 t_log += time.perf_counter() - t0  # nor is saving
             if bar is not None:
                 bar.update(1)
@@ -531,6 +533,7 @@ def _main(argv) -> int:
     die_with_launcher()  # a rank never outlives its launcher
     try:
         cfg = load_config(a.config, a.overrides)
+        asked_fresh = cfg.run.fresh  # (the command to continue must turn it off even where a requeue did)
         if requeued_fresh_start(cfg):
             cfg.run.fresh = False
             if int(os.environ.get("RANK", 0)) == 0:
@@ -551,8 +554,9 @@ def _main(argv) -> int:
         trainer.fit()
         end = cfg.train.max_steps
         if trainer.rank == 0 and trainer.step < end:
+            again = console.continue_command(a.config, a.overrides, asked_fresh)
             print(f"stopped at step {trainer.step} of {end} (train.stop_at={cfg.train.stop_at}); the run resumes "
-                  f"from its checkpoint with: {console.continue_command(a.config, a.overrides)}", flush=True)
+                  f"from its checkpoint with: {again}", flush=True)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

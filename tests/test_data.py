@@ -222,6 +222,8 @@ def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
         return  # (the rest adds text files)
     (d / name).unlink()
     (d / "test.py").write_text("def test():\n    pass\n" * 20)
+    (d / "foo_test.go").write_text("package foo\n" * 20)  # code, and titles that merely start with a split name
+    (d / "Test_cricket.txt").write_text("a cricket match between nations " * 20)
     (d / "more.txt").write_text("more training text " * 50)
     path = prep.prepare(dcfg(tmp_path, source=str(d), val_fraction=0.5), progress=False)
     assert prep.read_manifest(path)["splits"]["val"]["documents"] >= 1

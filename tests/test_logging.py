@@ -170,6 +170,8 @@ def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatc
     args = ["run.dir=r", "train.stop_at=4", "run.fresh=true", "train.max_steps=8"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8"
+    # run.fresh: true in the config file itself: the command turns it off
+    assert continue_command("c.yaml", args, fresh=True).endswith("train.max_steps=8 run.fresh=false")
     monkeypatch.setenv("WORLD_SIZE", "2")
     msg = continue_command("c.yaml", args)
     assert "mode train" not in msg and "single process" not in msg and "stop_at" in msg  # "without stop_at"
@@ -540,18 +542,21 @@ def wandb_records(path: Path):
 
 
 @pytest.mark.slow
-def test_step_time_counts_every_step_when_an_eval_falls_between_logs(tmp_path):
+def test_step_time_and_elapsed_count_every_step_when_an_eval_or_a_stop_falls_between_logs(tmp_path):
     """Bug caught: an evaluation (or a save) between two log steps restarted the interval clock, so
     the next log divided one step's time by two steps: tokens/s, TFLOP/s and MFU doubled there
     (MFU 0.51 between 0.28 and 0.27) and perf/elapsed_s lost the steps before the eval. Every step
-    is made to take at least 0.3 s: no logged step time may be shorter."""
+    is made to take at least 1 s: no logged step time may be shorter. And the time since the last
+    log was left out of a checkpoint saved between logs: the run below stops there (stop_at=3) and
+    resumes, and its elapsed time must still cover all 4 steps."""
     run = tmp_path / "run"
     code = ("import sys, time\nimport mode.train as t\nstep = t.Trainer.train_step\n"
-            "def slow(self, acc):\n    time.sleep(0.3)\n    step(self, acc)\n"
+            "def slow(self, acc):\n    time.sleep(1.0)\n    step(self, acc)\n"
             "t.Trainer.train_step = slow\nsys.exit(t.main(sys.argv[1:]))")
-    subprocess.run([PY, "-c", code, "--config", CFG, *TINY, "train.max_steps=4", "train.log_every=2",
-                    "train.eval_every=3", "checkpoint.every=3", f"run.dir={run}"],
-                   cwd=ROOT, env=env(2), check=True, capture_output=True, timeout=600)
+    for stop in ("train.stop_at=3", "train.stop_at=0"):
+        subprocess.run([PY, "-c", code, "--config", CFG, *TINY, "train.max_steps=4", "train.log_every=2",
+                        "train.eval_every=3", "checkpoint.every=3", stop, f"run.dir={run}"],
+                       cwd=ROOT, env=env(2), check=True, capture_output=True, timeout=600)
     step_time, elapsed = scalars(run, "perf/step_time_s"), scalars(run, "perf/elapsed_s")
-    assert list(step_time) == [2, 4] and all(v >= 0.3 for v in step_time.values()), step_time
-    assert elapsed[4] >= 4 * 0.3, elapsed
+    assert list(step_time) == [2, 4] and all(v >= 1.0 for v in step_time.values()), step_time
+    assert elapsed[4] >= 4 * 1.0, elapsed

@@ -278,6 +278,20 @@ def test_a_run_dir_or_prepared_dir_inside_another_run_is_refused(tmp_path):
         preflight(cfg, prepare_data=False)
     assert sorted(p.name for p in outer.iterdir()) == ["checkpoints", "run_info.json"]  # nothing written
 
+    # a walk-only (--x) parent, as many clusters' /home: it cannot be listed, and is no run
+    real_iterdir = Path.iterdir
+
+    def walk_only(p):
+        if p == tmp_path:
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_iterdir(p)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "iterdir", walk_only)
+        (tmp_path / "run_info.json").write_text("{}")  # a proof name there: it must try to list tmp_path
+        rundir.check(str(tmp_path / "fresh_run"), False)
+        (tmp_path / "run_info.json").unlink()
+
     grid = tmp_path / "grid"  # mode compare's runs_dir while it starts its first run
     lock = rundir.DirLock(grid)
     rundir.check(str(grid / "dense"), False)
