@@ -75,10 +75,10 @@ class Scorer:
     """Log-probabilities of target tokens under a `mode` LM: the adapter between the harness and
     the model's forward (`model(ids_BS, routing=...)`)."""
 
-    def __init__(self, model, tokenizer, routing: str = "causal", batch_size: int = 1):
+    def __init__(self, model, tokenizer, routing: str = "causal", batch_size: int = 1, seed: int = 0):
         if routing not in ("causal", "topk"):
             raise ConfigError("--routing", routing, "causal or topk")
-        self.model, self.tok, self.routing = model.eval(), tokenizer, routing
+        self.model, self.tok, self.routing, self.seed = model.eval(), tokenizer, routing, int(seed)
         self.batch_size = max(1, int(batch_size)) if rows_independent(model, routing) else 1
         # Generation always routes causally, whatever --routing scores with.
         self.gen_batch_size = max(1, int(batch_size)) if rows_independent(model, "causal") else 1
@@ -152,7 +152,10 @@ class Scorer:
         """Each request (context, gen_kwargs) sampled after EOS + context (cut from the left to fit
         max_gen_toks), stopping as soon as the text holds a string of its `until`, cut before it.
         Greedy requests with the same max_gen_toks share a batch (largest first) when rows cannot
-        affect each other at sampling time; a sampled request runs alone, so its seed alone fixes it."""
+        affect each other at sampling time. A sampled request (do_sample with temperature > 0; its
+        top_k and top_p apply) runs alone with its own seed: the task's `seed` (else the scorer's)
+        plus its index, so lm-eval's `repeats` copies of a request draw different samples, and the
+        same request list draws the same ones again."""
         from mode.generate import cut_at_stop, generate_ids
 
         groups: dict[tuple, list] = {}
@@ -163,14 +166,16 @@ class Scorer:
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             prompt = ([self.tok.eos_id] + self.encode(context))[-(self.max_len + 1 - n):]
             sampled = temperature > 0  # a sampled request alone: its seed, not its batch, fixes its draws
-            key = (n, temperature, int(kw.get("seed", 0) or 0) if sampled else 0, i if sampled else -1)
+            key = (n, temperature, int(kw.get("top_k") or 0), float(kw.get("top_p") or 1.0),
+                   int(kw.get("seed", self.seed) or 0) + i, i) if sampled else (n, 0.0, 0, 1.0, 0, -1)
             groups.setdefault(key, []).append((i, prompt, until))
         outs: list = [None] * len(requests)
-        for (n, temperature, seed, _), rows in groups.items():
+        for (n, temperature, top_k, top_p, seed, _), rows in groups.items():
             rows.sort(key=lambda r: -len(r[1]))  # similar prompt lengths share a prefill
             for b in range(0, len(rows), self.gen_batch_size):
                 chunk = rows[b : b + self.gen_batch_size]
                 new = generate_ids(self.model, [p for _, p, _ in chunk], n, temperature=temperature, seed=seed,
+                                   top_k=top_k, top_p=top_p,
                                    eos_id=self.tok.eos_id, vocab_limit=min(self.tok.vocab_size, self.model.cfg.vocab_size),
                                    stop=[u for _, _, u in chunk], decode=self.tok.decode)
                 for (i, _, until), ids in zip(chunk, new):
@@ -189,10 +194,11 @@ def _define_lm_class():
     @register_model("mode")
     class ModeLM(LM):
         """A `mode` run directory or `mode export` directory as an lm-eval model.
-        model_args: run=DIR, routing=causal|topk, batch_size=B, device=cpu|cuda."""
+        model_args: run=DIR, routing=causal|topk, batch_size=B, device=cpu|cuda, seed=N (of sampled
+        generation requests; request i draws with seed N + i)."""
 
         def __init__(self, run: str | None = None, routing: str = "causal", batch_size=1, device=None,
-                     model=None, tokenizer=None, **_ignored):
+                     model=None, tokenizer=None, seed=0, **_ignored):
             super().__init__()
             if model is None:
                 from mode.generate import load_run
@@ -204,7 +210,7 @@ def _define_lm_class():
             else:
                 self.source = None
             bs = 1 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-            self.scorer = Scorer(model, tokenizer, routing, bs)
+            self.scorer = Scorer(model, tokenizer, routing, bs, seed=int(seed))
             self.run, self.routing = run, routing
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):

@@ -296,8 +296,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
         raise ConfigError("data.val_source", "", f"the held-out file in data.source={spec}: set "
                           f"data.val_source={held[0]} (its documents become the validation set and are never "
-                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} (or with such a part "
-                          "in their name) out of data.source")
+                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} (or numbered shards of "
+                          "them, or names ending in them) out of data.source")
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if local:
         if not files:

@@ -264,6 +264,11 @@ MUTANTS = [
      'max(r.series("perf/memory_gb")[1], default=None)', 'r.last("perf/memory_gb")', ["tests/test_analysis.py"]),
     ("an H100 PCIe gets the SXM peak", "mode/metrics.py",
      'PEAK_TFLOPS = {"H100 PCIe": {"bf16": 756.0, "fp32": 51.0}, ', "PEAK_TFLOPS = {", ["tests/test_logging.py"]),
+    # Session 11: evaluation (issue #14 audit)
+    ("every sampled eval request draws with one seed", "mode/harness.py",
+     'int(kw.get("seed", self.seed) or 0) + i, i)', 'int(kw.get("seed", self.seed) or 0), i)', ["tests/test_harness.py"]),
+    ("a task's top_p is ignored", "mode/harness.py",
+     'float(kw.get("top_p") or 1.0)', "1.0", ["tests/test_harness.py"]),
 ]
 
 

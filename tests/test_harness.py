@@ -126,6 +126,28 @@ def test_generate_until_stops_at_the_stop_sequence(preset):
     assert whole == full
 
 
+def test_sampled_requests_draw_their_own_samples_with_the_tasks_top_k_and_top_p():
+    """Bugs caught: every sampled request drew with seed 0, so lm-eval's `repeats` copies (pass@k,
+    self-consistency) were identical; a task's top_k / top_p were ignored. Each sampled request is
+    checked against generate_ids called directly with the seed, top_k and top_p it should get."""
+    model, _ = tiny_model("mod")
+    ctx, n = "def f(", 12
+    prompt = [TOK.eos_id] + TOK.encode(ctx).tolist()
+    kw = {"until": ["\x00never"], "max_gen_toks": n, "do_sample": True, "temperature": 1.0}
+
+    def direct(seed, top_k=0, top_p=1.0):
+        return TOK.decode(generate_ids(model, [prompt], n, temperature=1.0, seed=seed, top_k=top_k, top_p=top_p,
+                                       eos_id=TOK.eos_id, vocab_limit=TOK.vocab_size)[0])
+
+    lm = ModeLM(model=model, tokenizer=TOK, seed=5)
+    reqs = [Instance("generate_until", {}, (ctx, dict(kw)), i) for i in range(4)]  # 4 repeats of one request
+    outs = lm.generate_until(reqs)
+    assert outs == [direct(5 + i) for i in range(4)] and len(set(outs)) > 1, outs
+    assert lm.generate_until(reqs) == outs  # a rerun draws the same samples
+    narrow = lm.generate_until([Instance("generate_until", {}, (ctx, {**kw, "top_k": 3, "top_p": 0.5}), 0)])
+    assert narrow == [direct(5, top_k=3, top_p=0.5)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, nothing written.
 
