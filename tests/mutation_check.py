@@ -269,6 +269,8 @@ MUTANTS = [
      'int(kw.get("seed", self.seed) or 0) + i, i)', 'int(kw.get("seed", self.seed) or 0), i)', ["tests/test_harness.py"]),
     ("a task's top_p is ignored", "mode/harness.py",
      'float(kw.get("top_p") or 1.0)', "1.0", ["tests/test_harness.py"]),
+    ("an export records sampling's stand-in data source", "mode/export.py",
+     "    cfg.data.source, cfg.data.val_source = data.get(", "    _ = data.get(", ["tests/test_export.py"]),
 ]
 
 

@@ -51,6 +51,23 @@ def test_export_creates_missing_parent_directories(tmp_path):
         assert torch.equal(model(ids).logits, load_run(out)[0](ids).logits)
 
 
+def test_export_of_a_run_whose_data_moved_records_the_runs_data_source(tmp_path):
+    """Bug caught: sampling stands stdlib in for a training source that has moved, and the export
+    wrote that stand-in as the run's data source (`source: stdlib`)."""
+    import yaml
+
+    model, run = fake_run(tmp_path, "mod")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["data"]["source"], cfg["data"]["val_source"] = str(tmp_path / "gone" / "train"), str(tmp_path / "gone" / "val")
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    data = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["data"]
+    assert (data["source"], data["val_source"]) == (cfg["data"]["source"], cfg["data"]["val_source"])
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("x = 1").tolist()])
+    with torch.no_grad():  # and the export still loads (the same stand-in)
+        assert torch.equal(model(ids).logits, load_run(tmp_path / "out")[0](ids).logits)
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
 def test_exported_weights_are_as_readable_as_the_config(tmp_path, umask, mode):
     """safetensors creates its file 0600 whatever the umask: on a shared cluster colleagues could
