@@ -124,7 +124,7 @@ MUTANTS = [
      "            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)", "            probs_TE = probs_TE / 1.0 + 0 * probs_TE.sum(-1, keepdim=True)", MOE),
     # Sampling
     ("temperature multiplies the logits", "mode/generate.py",
-     "logits_BV = logits_BV / temperature", "logits_BV = logits_BV * temperature", GEN),
+     "keepdim=True)) / temperature", "keepdim=True)) * temperature", GEN),
     ("top-k keeps k-1 ids", "mode/generate.py",
      "logits_BV.masked_fill(logits_BV < kth_B1", "logits_BV.masked_fill(logits_BV <= kth_B1", GEN),
     ("top-p drops the id that reaches p", "mode/generate.py",
