@@ -87,7 +87,7 @@ def causal_gap(run: RunLog, step: int | None = None) -> float | None:
 class Metric:
     key: str
     label: str
-    reduce: Callable[[RunLog], float | None]
+    reduce: Callable[..., float | None]  # (run), or (run, eval step) when at_eval_step
     fmt: Callable[[float], str]
     constant: bool = False  # a property of the model (params, FLOPs): no spread shown when seeds agree
     at_eval_step: bool = False  # reduce(run, step): read at the variant's common evaluation step
@@ -500,8 +500,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         lines.append("")
     lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
-              "stopped early is not averaged with the others' later losses); tokens/s and step time are medians over logged points "
-              "without the first (warm-up); routing fractions are the last logged value averaged over routed "
+              "stopped early is not averaged with the others' later losses); tokens/s and step time are "
+              "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, or of the router's sign rule without one). "
               "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
               "top-k routing. MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # `python launch/run.py` from any directory
 DEFAULT_PORT = 29500
 PASS_PREFIXES = ("MODE_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "OMP_", "DS_ACCELERATOR", "DEEPSPEED_TIMEOUT", "HF_",
                  "WANDB_", "TOKENIZERS_PARALLELISM", "PYTHONPATH",
-                 "SLURM_JOB_ID", "SLURM_RESTART_COUNT")  # every rank must agree on a requeue (train.requeued_fresh_start)
+                 "SLURM_JOB_ID", "SLURM_RESTART_COUNT")  # every rank must see a requeue (train.requeued_fresh_start)
 DS_BACKENDS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")  # DeepSpeed runner's --launcher
 SSH_TIMEOUT_S = 15
 _SAFE = re.compile(r"[\w@%+=:,./-]*")  # what DeepSpeed's runner exports without wrapping it in double quotes

@@ -100,6 +100,7 @@ def continue_command(config: str, overrides: list[str], fresh: bool = False) -> 
     cmd = shlex.join(["mode", "train", "--config", config, *rest])
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # a single-process `mode train` would be refused: the checkpoint belongs to this world size
-        return (f"the same {world}-process launch command without train.stop_at or run.fresh (a checkpoint resumes only at "
-                f"the world size it was saved with), whose trainer arguments are: {shlex.join(['--config', config, *rest])}")
+        return (f"the same {world}-process launch command without train.stop_at or run.fresh (a checkpoint "
+                "resumes only at the world size it was saved with), whose trainer arguments are: "
+                f"{shlex.join(['--config', config, *rest])}")
     return cmd

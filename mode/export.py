@@ -33,12 +33,6 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         raise ConfigError("--out", str(out), f"a directory path ({base} is not a directory)")
     check_outside_runs(str(out), "--out")
     model, tok, cfg, source = load_run(run_dir, return_source=True)
-    # load_run stands stdlib in for a training source that has moved (sampling reads no data); the
-    # export records where the run's data really came from
-    import yaml
-
-    data = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("data") or {}
-    cfg.data.source, cfg.data.val_source = data.get("source", cfg.data.source), data.get("val_source", cfg.data.val_source)
     tok_files = []
     if cfg.data.tokenizer != "byte":
         # The file the run's tokenizer was read from (a directory's, a tokenizer.json path or a

@@ -299,6 +299,13 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         if e.key not in ("data.source", "data.val_source"):
             raise
         cfg = load_config(run_dir / "config.yaml", over + ["data.source=stdlib", "data.val_source="])
+        # the stand-in only lets the config load: the config returned names the run's own data
+        # (`mode export` writes it)
+        import yaml
+
+        data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
+        cfg.data.source = data.get("source", cfg.data.source)
+        cfg.data.val_source = data.get("val_source", cfg.data.val_source)
     if exported:
         model = build_model(cfg.model)
         source = run_dir / WEIGHTS

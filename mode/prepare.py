@@ -49,6 +49,7 @@ KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample
 HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
 # Data files only (not code: a Go package holds foo_test.go, a C project test.c), with wikitext's .raw/.tokens.
 DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".raw", ".tokens")
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
 def held_out_named(f: str) -> bool:
@@ -61,7 +62,6 @@ def held_out_named(f: str) -> bool:
     parts = re.split(r"[._-]", p.stem.lower())
     shard = parts[0] in HELD_OUT_NAMES and all(x.isdigit() or x == "of" for x in parts[1:])
     return shard or parts[-1] in HELD_OUT_NAMES
-EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,8 +42,11 @@ ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing
 # directory; runs started then still hold one and must stay resumable)
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
 SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
+# What proves a directory *above* a new run.dir to be a run: a LOCK alone does not (a `mode compare`
+# runs_dir holds one beside its first run).
+RUN_PROOFS = (CHECKPOINTS, "tb", "run_info.json")
 RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes
-STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad\d*)?$")  # .bad2, ...: _move_aside's later ones  # mode/checkpoint.py's names in checkpoints/
+STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad\d*)?$")  # mode/checkpoint.py's names (.bad2, ...: _move_aside)
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
 # Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next
@@ -120,66 +123,43 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     return d
 
 
-def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = False) -> Path | None:
+def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = False,
+                  proofs: tuple = SIGNATURES) -> Path | None:
     """The run directory that writing `out` would add a foreign entry to (a run holds only ARTEFACTS,
     else `mode train` refuses to resume it), or None. `owned`: the one top-level entry of a run this
     writer may fill (`report` for `mode analyze`, `eval` for `mode eval`). `below_only`: `out` itself
-    is not looked at (a compare runs_dir, which holds a LOCK of its own)."""
+    is not looked at (a compare runs_dir, or a run.dir: each holds a LOCK of its own). `proofs`: the
+    signatures that prove a run (is_mode_run)."""
     out = Path(out).expanduser().resolve()
     below = out if below_only else None
     for d in (out.parents if below_only else (out, *out.parents)):
-        # a run as is_mode_run proves it: a project folder with its own checkpoints/ or tb/ is none
-        # (a stat first, and an unreadable directory is none: see run_above)
+        # a run as is_mode_run proves it: a project folder with its own checkpoints/ or tb/ is none.
+        # A stat for a proof before any listing: listing every ancestor would fail under a walk-only
+        # (--x) parent such as many clusters' /home, and list each big project directory.
         try:
-            if (below is None or below.name != owned) and any((d / s).exists() for s in SIGNATURES) \
-                    and is_mode_run(d, below.name if below is not None else None):
+            if (below is None or below.name != owned) and any((d / s).exists() for s in proofs) \
+                    and is_mode_run(d, below.name if below is not None else None, proofs):
                 return d
-        except OSError:
+        except OSError:  # unreadable: not provably a run
             pass
         below = d
     return None
 
 
-def check_outside_runs(out: str, key: str, owned: str | None = None, below_only: bool = False) -> None:
+def check_outside_runs(out: str, key: str, owned: str | None = None, below_only: bool = False,
+                       proofs: tuple = SIGNATURES) -> None:
     """ConfigError (nothing written) when writing `out` would break a run: see run_broken_by."""
-    broken = run_broken_by(out, owned, below_only)
+    broken = run_broken_by(out, owned, below_only, proofs)
     if broken is not None:
         where = f" (or its {owned}/)" if owned else ""
         raise ConfigError(key, out, f"a path outside the run directory {broken}{where}: a run holding anything "
                                     "else is refused on resume")
 
 
-def run_above(d: Path) -> Path | None:
-    """The run that writing the directory `d` would nest inside (a foreign entry in it: that run
-    could no longer be resumed), or None. A LOCK alone proves nothing here: a `mode compare`
-    runs_dir holds one beside its first run."""
-    proofs = (CHECKPOINTS, "tb", "run_info.json")
-    d = d.expanduser().resolve()
-    below = d
-    for p in d.parents:
-        # a stat per proof first: listing every ancestor would fail under a walk-only (--x) parent
-        # such as many clusters' /home, and cost a listing of each big project directory
-        try:
-            if any((p / s).exists() for s in proofs) and is_mode_run(p, below.name, proofs=proofs):
-                return p
-        except OSError:  # unreadable: not provably a run
-            pass
-        below = p
-    return None
-
-
-def check_not_in_run(path: str, key: str) -> None:
-    """ConfigError (nothing written) when `path` lies inside a run directory (see run_above)."""
-    outer = run_above(Path(path))
-    if outer is not None:
-        raise ConfigError(key, path, f"a path outside the run directory {outer}: a run holding anything else is "
-                                     "refused on resume")
-
-
 def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) -> Path:
     """Refuse a run directory that would lose a user's files; raises ConfigError (nothing written)."""
     d = check_place(run_dir, key)
-    check_not_in_run(run_dir, key)
+    check_outside_runs(run_dir, key, below_only=True, proofs=RUN_PROOFS)  # not nested inside another run
     if d.exists() and not d.is_dir():
         raise ConfigError(key, run_dir, "a directory (this path is a file)")
     if d.is_dir():

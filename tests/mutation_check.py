@@ -225,7 +225,8 @@ MUTANTS = [
     ("run.fresh deletes config.yaml before the checkpoints", "mode/rundir.py",
      'order = {CHECKPOINTS: 0, "config.yaml": 2}', "order = {}", CKPT),
     ("a run.dir inside another run is accepted", "mode/rundir.py",
-     "    check_not_in_run(run_dir, key)\n", "", CKPT),
+     "    check_outside_runs(run_dir, key, below_only=True, proofs=RUN_PROOFS)  # not nested inside another run\n",
+     "", CKPT),
     ("a damaged manifest that parses crashes the resume", "mode/checkpoint.py",
      'isinstance(meta, dict) and isinstance(meta.get("bytes"), int)', "True or isinstance(meta.get(\"bytes\"), int)",
      CKPT),
@@ -271,8 +272,8 @@ MUTANTS = [
      'int(kw.get("seed", self.seed) or 0) + i, i)', 'int(kw.get("seed", self.seed) or 0), i)', ["tests/test_harness.py"]),
     ("a task's top_p is ignored", "mode/harness.py",
      'float(kw.get("top_p") or 1.0)', "1.0", ["tests/test_harness.py"]),
-    ("an export records sampling's stand-in data source", "mode/export.py",
-     "    cfg.data.source, cfg.data.val_source = data.get(", "    _ = data.get(", ["tests/test_export.py"]),
+    ("an export records sampling's stand-in data source", "mode/generate.py",
+     "        cfg.data.source = data.get(\"source\", cfg.data.source)\n", "", ["tests/test_export.py"]),
 ]
 
 

@@ -296,7 +296,7 @@ def test_a_run_dir_or_prepared_dir_inside_another_run_is_refused(tmp_path):
     lock = rundir.DirLock(grid)
     rundir.check(str(grid / "dense"), False)
     (grid / "dense").mkdir()
-    assert rundir.run_above(grid / "dense") is None
+    assert rundir.run_broken_by(grid / "dense", below_only=True, proofs=rundir.RUN_PROOFS) is None
     lock.release()
 
 
