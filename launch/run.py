@@ -165,8 +165,17 @@ def pass_env(extra: list[str], ranks_per_node: int = 1) -> dict[str, str]:
 def shell_value(v: str) -> str:
     """The env-file form of `v` that arrives unchanged through the pdsh runner: DeepSpeed wraps a
     value holding anything but [\\w@%+=:,./-] in double quotes for the remote shell, where \\ $ ` "
-    would otherwise be interpreted; escaping them (which also guarantees the wrapping) undoes that."""
-    return v if _SAFE.fullmatch(v) else re.sub(r'([\\$`"])', r"\\\1", v)
+    would otherwise be interpreted; escaping them (which also guarantees the wrapping) undoes that.
+    pdsh itself replaces %h %n %u %% anywhere in the remote command first: % doubles."""
+    return (v if _SAFE.fullmatch(v) else re.sub(r'([\\$`"])', r"\\\1", v)).replace("%", "%%")
+
+
+def pdsh_arg(a: str) -> str:
+    """The form of a command-line argument (config path, override) that arrives unchanged through the
+    pdsh runner: DeepSpeed wraps one holding a space in double quotes (escaping " itself) and passes
+    others bare, to the remote shell; pdsh replaces %h %n %u %% first."""
+    a = re.sub(r"([\\$`])", r"\\\1", a) if " " in a else shlex.quote(a)
+    return a.replace("%", "%%")
 
 
 def write_deepspeed_env(path: Path, env: dict[str, str], shell: bool = False) -> Path:
@@ -348,9 +357,12 @@ def main(argv=None) -> int:
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
-        cfg = validate(a.config, a.overrides, world, a.node_rank, prepare_data=not a.dry_run)  # after the cheap checks
-        if multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only:
+        ssh = multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only
+        # after the cheap checks; with ssh, the hosts are asked before data is prepared (hours for a large corpus)
+        cfg = validate(a.config, a.overrides, world, a.node_rank, prepare_data=not a.dry_run and not ssh)
+        if ssh:
             check_ssh(a.hostfile, [h for h, _ in nodes], a.ssh_port)
+            cfg = validate(a.config, a.overrides, world, a.node_rank)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -365,7 +377,10 @@ def main(argv=None) -> int:
         master = a.master_addr
         if master is None and len(nodes) > 1 and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess
             master = nodes[0][0]
-        cmd = deepspeed_command(a.config, a.overrides, hostfile=a.hostfile, num_nodes=a.num_nodes,
+        args = [a.config, *a.overrides]
+        if multinode and backend in (None, "pdsh"):  # through pdsh and the remote shell, unchanged
+            args = [pdsh_arg(x) for x in args]
+        cmd = deepspeed_command(args[0], args[1:], hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
                                 master_port=a.master_port, backend=backend, ssh_port=a.ssh_port,
                                 launcher_args=a.launcher_args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,31 +88,31 @@ def test_sbatch_ranks_per_node_from_ntasks_alone(tmp_path, ntasks, nodes, expect
         assert r.returncode == 3 and "--validate-only" in r.stderr and expect in r.stderr, r.stderr
 
 
-def test_env_values_survive_the_remote_shell():
-    """The pdsh runner exports `KEY=<value>` inside the remote shell command; what DeepSpeed builds from
-    our env-file line must evaluate back to the value (bash as the remote shell, as over ssh)."""
-    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+def test_env_values_and_arguments_survive_the_remote_shell():
+    """The pdsh runner exports `KEY=<value>` and passes the arguments (config, overrides) inside the
+    remote shell command; what DeepSpeed's PDSHRunner builds from our env-file line and our argument
+    must evaluate back to the original (bash as the remote shell, as over ssh). pdsh's own %h/%n/%%
+    substitution is applied here as pdsh applies it; the ssh test below runs real pdsh."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
 
     import launch.run as lr
 
-    class Exports(MultiNodeRunner):  # DeepSpeed's own add_export, nothing else
-        def __init__(self):
-            self.exports = {}
+    class Runner(PDSHRunner):  # DeepSpeed's own add_export and parse_user_args, nothing else
+        def __init__(self, user_args):
+            self.exports, self.args = {}, type("Args", (), {"user_args": user_args})()
 
-        def backend_exists(self):
-            return True
-
-        def get_cmd(self, environment, active_resources):
-            return []
-
-    values = ['a$HOME "c"', "back\\slash `x` 'q'", "plain/value:1", "sp ace", 'x"', "$(date)", "é ü", "!bang", ""]
-    runner = Exports()
+    values = ['a$HOME "c"', "back\\slash `x` 'q'", "plain/value:1", "sp ace", 'x"', "$(date)", "é ü", "!bang", "",
+              "100% %h", "%n%%", "run.dir=/r/x$y %h", "a*b?[c]", "~user", "a;b|c&d", '"q q"', "x\\ y"]
+    runner = Runner([lr.pdsh_arg(v) for v in values])
     for i, v in enumerate(values):
         runner.add_export(f"V{i}", lr.shell_value(v))
     script = "".join(f"export {k}={v}; " for k, v in runner.exports.items())
     script += " ".join(f'printf "%s\\0" "$V{i}";' for i in range(len(values)))
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
-    assert out.split("\0")[:-1] == values
+    script += ' printf "%s\\0" ' + " ".join(runner.parse_user_args()) + ";"
+    pdsh = {"%": "%", "h": "mode-node1", "n": "1", "u": "root"}  # pdsh's substitution of the remote command
+    script = re.sub(r"%([%hnu])", lambda m: pdsh[m[1]], script)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, cwd="/").stdout
+    assert out.split("\0")[:-1] == values + values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,15 +172,17 @@ def wait_job(cluster: dict, job: str, timeout: float) -> str:
 @pytest.mark.slow
 def test_sbatch_two_cpu_ranks_train_with_checkpoints_and_events(tmp_path, cluster):
     """A CPU partition: no GPUs allocated, --ntasks-per-node=2 sets two ranks; the job log and the
-    hostfile end up in run.dir, nothing in the submit directory."""
+    hostfile end up in run.dir, nothing in the submit directory. SLURM_CPUS_PER_GPU in the job's
+    environment (what the README's GPU line, `sbatch --cpus-per-gpu=8`, exports) reached the
+    template's srun as an option of its own: `Invalid generic resource (gres) specification` here."""
     submit_dir, run = tmp_path / "submit", tmp_path / "run"
     submit_dir.mkdir()
     sbatch = ["sbatch", "--parsable", "--ntasks-per-node=2", str(ROOT / "launch" / "slurm.sbatch"), "--config",
               str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=4", "checkpoint.every=2",
               f"data.prepared_dir={tmp_path / 'prepared'}",  # the default (data/prepared) is relative to the cwd
               f"run.dir={run}"]
-    job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
-                         check=True).stdout.strip()
+    job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster, SLURM_CPUS_PER_GPU="8"),
+                         capture_output=True, text=True, check=True).stdout.strip()
     state = wait_job(cluster, job, 600)
     log = run / "slurm" / f"job-{job}.out"
     assert state == "COMPLETED", (state, log.read_text() if log.exists() else list(submit_dir.iterdir()))
@@ -367,32 +370,35 @@ def test_pdsh_two_nodes_match_one_node(tmp_path, cluster, one_launcher):
 @pytest.mark.slow
 def test_unreachable_host_is_refused_in_one_line(tmp_path, cluster):
     """127.0.0.3 has no sshd: refused before DeepSpeed starts, instead of ranks waiting for it for
-    the rendezvous timeout; nothing is written into run.dir."""
+    the rendezvous timeout; nothing is written into run.dir, and the data is not prepared first (it
+    was: a large corpus took hours before the refusal)."""
     hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "127.0.0.3")
     t0 = time.monotonic()
     r = subprocess.run([PY, "-m", "launch.run", "--hostfile", hostfile, "--ssh_port", cluster["MODE_SSH_PORT"],
-                        "--config", "configs/tiny/dense.yaml", *RUN, f"run.dir={tmp_path / 'run'}"],
+                        "--config", "configs/tiny/dense.yaml", *RUN, f"data.prepared_dir={tmp_path / 'prepared'}",
+                        f"run.dir={tmp_path / 'run'}"],
                        cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and time.monotonic() - t0 < 60, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: --hostfile='{hostfile}': "), r.stderr
     assert "127.0.0.3 is not: ssh: connect to host 127.0.0.3 port " in lines[0], lines
-    assert "deepspeed" not in r.stdout and not (tmp_path / "run").exists()
+    assert "deepspeed" not in r.stdout and not (tmp_path / "run").exists() and not (tmp_path / "prepared").exists()
 
 
 @pytest.mark.slow
 def test_ranks_over_ssh_get_the_environment_and_ctrl_c_stops_only_this_job(tmp_path, cluster):
     """The ranks started over ssh hold DS_ACCELERATOR, OMP_NUM_THREADS, DEEPSPEED_TIMEOUT and an --env
-    value with shell syntax, unchanged. Ctrl-C: DeepSpeed's own handler would `pkill -f "<python> -u
-    -m deepspeed.launcher.launch"` on every node (a decoy with that command line stands for another
-    job); the wrapper stops only this job's launchers, which stop their ranks."""
+    value with shell syntax and pdsh's %-codes, unchanged, and run.dir with both in its name (pdsh
+    made %h the host's name: each node its own directory). Ctrl-C: DeepSpeed's own handler would
+    `pkill -f "<python> -u -m deepspeed.launcher.launch"` on every node (a decoy with that command
+    line stands for another job); the wrapper stops only this job's launchers, which stop their ranks."""
     from tests.test_launch import processes_mentioning
 
     decoy = subprocess.Popen(["bash", "-c", f'exec -a "{PY} -u -m deepspeed.launcher.launch" sleep 900'])
     hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
-    run = tmp_path / "run"
+    run = tmp_path / "run $x %h 'q'"
     log = tmp_path / "launch.log"
-    probe = 'a$HOME "c" `x` \\'
+    probe = 'a$HOME "c" `x` \\ %h %n %%'
     proc = subprocess.Popen([PY, "-m", "launch.run", "--hostfile", str(hostfile), "--ssh_port", cluster["MODE_SSH_PORT"],
                              "--master_port", str(free_port()), "--env", f"MODE_PROBE={probe}", "--config",
                              "configs/tiny/dense.yaml", *RUN, "train.max_steps=100000", f"run.dir={run}"], cwd=ROOT,
