@@ -564,6 +564,18 @@ def slurm_job_state(job: str) -> str:
     return UNREACHABLE if unreachable else "UNKNOWN"
 
 
+# Pending reasons of a job its partition cannot run as submitted: SLURM keeps it queued regardless.
+NEVER_STARTS = ("PartitionNodeLimit", "PartitionConfig", "PartitionTimeLimit", "BadConstraints")
+
+
+def slurm_pending_reason(job: str) -> str:
+    """Why SLURM keeps a job pending (squeue's %r: Resources, Priority, PartitionNodeLimit, ...)."""
+    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True)
+    reason = r.stdout.strip() if r.returncode == 0 else ""
+    hint = "; this partition cannot run it as submitted: scancel it, fix sbatch_args" if reason in NEVER_STARTS else ""
+    return f" (reason: {reason}{hint})" if reason and reason != "None" else ""
+
+
 def slurm_active_job(exp: Experiment, run: GridRun) -> str | None:
     """The job recorded for this run (runs_dir/slurm/<run>.jobid) if SLURM still holds it queued or running."""
     if exp.launcher != "slurm":
@@ -662,10 +674,11 @@ def wait_slurm(exp: Experiment, runs: list[GridRun], active: dict, log, poll_s: 
     while active:
         for name, job in list(active.items()):
             state = slurm_job_state(job)
-            if state != last.get(name):
-                log(f"{name}: job {job} {state}" + (" (SLURM did not answer: squeue/scontrol failed; polling "
+            shown = state + (slurm_pending_reason(job) if state == "PENDING" else "")
+            if shown != last.get(name):
+                log(f"{name}: job {job} {shown}" + (" (SLURM did not answer: squeue/scontrol failed; polling "
                                                     "again, the job may still run)" if state == UNREACHABLE else ""))
-                last[name] = state
+                last[name] = shown
             if state in SLURM_HELD:
                 continue
             del active[name]

@@ -262,6 +262,34 @@ def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(t
 
 
 @pytest.mark.slow
+def test_compare_wait_shows_why_a_job_stays_pending(tmp_path, cluster):
+    """A job its partition cannot run as submitted (two nodes on this one-node partition) stays
+    PENDING forever; `--wait` printed only `PENDING`, now SLURM's reason and what to do."""
+    exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
+           "overrides": RUN, "launcher_options": {"num_gpus": 0, "submit": True, "sbatch_args": ["--nodes=2"]},
+           "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    proc = subprocess.Popen([PY, "-m", "mode.cli", "compare", str(path), "--poll", "1", "--wait"], cwd=ROOT,
+                            env=cluster_env(cluster), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job_file = tmp_path / "runs" / "slurm" / "dense_seed0.jobid"
+    try:
+        end, lines = time.monotonic() + 120, []
+        for line in proc.stderr:  # until compare reports the pending job
+            lines.append(line)
+            if "PENDING" in line or time.monotonic() > end:
+                break
+        job = job_file.read_text().strip()
+        assert re.fullmatch(rf"dense_seed0: job {job} PENDING \(reason: Partition(NodeLimit|Config); this "
+                            r"partition cannot run it as submitted: scancel it, fix sbatch_args\)", lines[-1].strip()), lines
+    finally:
+        if job_file.exists():
+            subprocess.run(["scancel", job_file.read_text().strip()], env=cluster_env(cluster))
+        proc.wait(timeout=120)
+    assert proc.returncode == 1
+
+
+@pytest.mark.slow
 def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_outage(tmp_path, cluster):
     """`submit: false`: compare writes the scripts, the user runs one (as its hint says), then
     `mode compare --wait`. Bugs caught: the script recorded no job id, so `--wait` refused the run
