@@ -473,16 +473,21 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) ->
     from mode.train import preflight
 
     world = world_size(exp)
-    for r in runs:
-        try:
-            r.cfg = load_config(r.config, r.overrides, world_size=world)
-            # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
-            preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare_data)
-        except ConfigError as e:
-            text = str(e).removeprefix("config error: ")
-            raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
-        r.status, r.resume_step = status(r)
-    check_matched_flops(exp, runs)
+    # Every run is checked before any data is prepared (a later variant's bad value must not wait
+    # for, or follow, an earlier one's prepare), then the data is prepared.
+    for prepare in (False, True) if prepare_data else (False,):
+        for r in runs:
+            try:
+                if not prepare:
+                    r.cfg = load_config(r.config, r.overrides, world_size=world)
+                # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
+                preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare)
+            except ConfigError as e:
+                text = str(e).removeprefix("config error: ")
+                raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
+            r.status, r.resume_step = status(r)
+        if not prepare:
+            check_matched_flops(exp, runs)
 
 
 def check_matched_flops(exp: Experiment, runs: list[GridRun]) -> dict[str, float]:

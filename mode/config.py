@@ -73,7 +73,7 @@ class ModConfig:
     layers: LayerSpec = "none"
     """Blocks wrapped in depth routing: `none`, `every`, `every_other` (layers 1, 3, ...), or a list of layer indices."""
     capacity: Capacity = 0.125
-    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)), Python's round (a half goes to the even integer: 0.125 * 20 -> 2); in (0, 1]. A list gives one value per routed layer (a per-layer schedule)."""
+    """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)), Python's round (a half goes to the even integer: 0.125 * 20 -> 2); in (0, 1]. A list gives one value per routed layer (a per-layer schedule), paired with the routed layers in increasing order (an explicit `layers` list must then be in increasing order)."""
     decoupled: bool = False
     """Route attention and MLP separately, each with its own router and capacity (attn_capacity, mlp_capacity) instead of the whole block."""
     attn_capacity: Optional[Capacity] = None
@@ -107,6 +107,10 @@ class ModConfig:
             key = f"model.mod.{name}"
             if isinstance(v, list):
                 _check(len(v) == n_routed, key, v, f"a fraction or a list of {n_routed} (one per routed layer)")
+                # the list pairs with the routed layers in increasing order: [3, 1] would pair silently reversed
+                _check(not isinstance(self.layers, list) or self.layers == sorted(set(self.layers)),
+                       "model.mod.layers", self.layers, f"distinct layer indices in increasing order when {key} "
+                       "is a list (its values pair with the routed layers in that order)")
             _check(all(0.0 < c <= 1.0 for c in (v if isinstance(v, list) else [v])), key, v,
                    "a fraction in (0, 1] (or a list of them, one per routed layer)")
             if name != "capacity" and not self.decoupled:

@@ -36,8 +36,8 @@ def _route(name: str, r) -> str:
 def routing_summary(cfg: Config) -> str:
     """Which layers route what, from the layer plan (per-layer and per-sublayer capacities included)."""
     m, plan = cfg.model, layer_plan(cfg.model)
-    depth = [f"{p.index}: " + (_route("block", p.block) if p.block else
-                              _route("attn", p.attn) + " / " + _route("mlp", p.mlp_route))
+    depth = [f"{p.index}: " + " / ".join(_route(n, r) for n, r in (("block", p.block), ("attn", p.attn),
+                                                                  ("mlp", p.mlp_route)) if r is not None)
              for p in plan if p.depth_routed]
     moe = [p.index for p in plan if p.mlp == "moe"]
     parts = []

@@ -8,12 +8,14 @@ torch.utils.flop_counter.FlopCounterMode on the real modules, exactly):
 - attention scores and values cost 4 * S_kv * d per query token: the full product, which is
   what SDPA kernels without causal block skipping compute (a depth-routed attention sees
   k = round(capacity * S) queries, and k keys, or all S keys with `kv: all`);
-- expert MLPs are counted at capacity: k * min(1, capacity_factor) routes per token
-  (dropless: k). Up to capacity factor 1 this is what capacity-padded implementations compute
-  and the upper bound of what the native backend computes; above 1 a padded buffer (DeepSpeed,
-  native on accelerators) computes k * capacity_factor rows per token, of which at most k hold a
-  route: the count stays at the k routes (a convention). With no-op experts the real-expert
-  capacity still bounds it;
+- expert MLPs are counted at capacity: min(E, k * min(1, capacity_factor)) routes per token
+  (dropless: min(E, k)). Up to capacity factor 1 this is what capacity-padded implementations
+  compute and the upper bound of what the native backend computes; above 1 a padded buffer
+  (DeepSpeed, native on accelerators) computes k * capacity_factor rows per token, of which at
+  most k hold a route: the count stays at the k routes (a convention). With no-op experts the
+  real-expert capacity still bounds it. Exact when E divides capacity_factor * k * T (T tokens
+  per routing call): otherwise padding rounds each expert's capacity up, at most E rows per call
+  more than counted; `model.moe.min_capacity` (a floor for small calls) is not counted;
 - a depth-routed unit counts its router (and predictor) on every token and the unit on the
   processed fraction of tokens.
 """

@@ -53,8 +53,8 @@ class LayerPlan:
         if self.block is not None:
             kind = "staged" if base == "moe" else f"mod({base})"
             return kind + ("+kv_all" if self.block.kv == "all" else "")
-        if self.attn is not None:
-            return f"mod_split({base})" + ("+kv_all" if self.attn.kv == "all" else "")
+        if self.attn is not None or self.mlp_route is not None:  # a sublayer routed alone (decoupled)
+            return f"mod_split({base})" + ("+kv_all" if self.attn is not None and self.attn.kv == "all" else "")
         return base
 
     def mlp_frac(self) -> float:

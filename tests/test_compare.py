@@ -463,6 +463,23 @@ def test_dry_run_prepares_no_data_and_the_real_run_does(tmp_path, monkeypatch):
     assert any(prepared.rglob("manifest.json")), sorted(prepared.rglob("*"))
 
 
+def test_a_later_variants_bad_value_is_refused_before_any_data_is_prepared(tmp_path, monkeypatch, capsys):
+    """Bug caught: the first variant's data was prepared (minutes to hours) before the second
+    variant's config was even read."""
+    from mode import compare
+
+    monkeypatch.chdir(tmp_path)
+    prepared = tmp_path / "prepared"
+    exp = experiment(tmp_path, overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={prepared}"])
+    doc = yaml.safe_load(exp.read_text())
+    doc["variants"]["mod"]["overrides"] = ["model.mod.capacity=[0.5,0.5,0.5]"]
+    exp.write_text(yaml.safe_dump(doc))
+    assert compare.main([str(exp)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: variant mod (seed 0"), err
+    assert not prepared.exists() and not (tmp_path / "runs").exists()
+
+
 def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """Bug caught: `runs_dir: ~/x` (or `--runs-dir '~/x'`) was taken literally: the runs went to
     $HOME/x (run.dir expands `~`) but the grid's LOCK and experiment.json to ./~/x, and the report

@@ -30,6 +30,11 @@ VARIANTS = {
     # layout accelerators use), which compute exactly the capacity the analytic count assumes
     "integrated": ["model.moe.layers=every_other", "model.moe.top_k=2", "model.moe.capacity_factor=0.25",
                    "model.moe.num_noop_experts=8", "model.moe.noop_balance=include"],
+    # more routes per token than real experts: a token reaches each real expert at most once (the
+    # count was top_k = 3 rows per token; 2 real experts hold at most T rows each)
+    "moe_k_above_real_experts": ["model.moe.layers=every_other", "model.moe.num_experts=2",
+                                 "model.moe.num_noop_experts=2", "model.moe.top_k=3",
+                                 "model.moe.capacity_factor=1.0"],
     "mod_kv_all": ["model.mod.layers=every_other", "model.mod.capacity=0.25", "model.mod.kv=all"],
     "mod_decoupled": ["model.mod.layers=every_other", "model.mod.decoupled=true", "model.mod.attn_capacity=0.25",
                       "model.mod.mlp_capacity=0.5", "model.mod.causal=both"],

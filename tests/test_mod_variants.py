@@ -274,6 +274,17 @@ def test_bad_variant_configs_are_refused(override, needle):
     assert needle in str(e.value)
 
 
+def test_a_capacity_list_with_layers_out_of_order_is_refused():
+    """layers [3, 1] with capacities [0.125, 0.5] gave layer 1 0.125 and layer 3 0.5 (the list pairs
+    with the sorted layers), silently; in increasing order it pairs as written."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/tiny/dense.yaml", ["model.mod.layers=[3,1]", "model.mod.capacity=[0.125,0.5]"])
+    assert str(e.value).startswith("config error: model.mod.layers=[3, 1]: distinct layer indices in increasing order")
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", ["model.mod.layers=[1,3]", "model.mod.capacity=[0.125,0.5]"])
+    assert [lp.block.capacity for lp in layer_plan(cfg.model) if lp.block] == [0.125, 0.5]
+    load_config(ROOT / "configs/tiny/dense.yaml", ["model.mod.layers=[3,1]", "model.mod.capacity=0.5"])  # one value
+
+
 @pytest.mark.parametrize("overrides,expect", [
     (["model.mod.capacity=[0.5,0.33,0.165]"], "{1: block 0.5, 3: block 0.33, 5: block 0.165}"),
     (["model.mod.decoupled=true", "model.mod.attn_capacity=0.4", "model.mod.mlp_capacity=[0.25,0.5,0.25]"],

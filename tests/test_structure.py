@@ -194,3 +194,18 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
     monkeypatch.setenv("MASTER_PORT", "29511")
     assert shm_buffer(3) == Path(f"/dev/shm/{base}_{os.getuid()}_10.0.0.7_29511_3")
+
+
+def test_a_plan_routing_one_sublayer_alone_is_named_and_summarised(monkeypatch):
+    """A new variant that routes only the MLP (or only attention) is a LayerPlan with one sublayer
+    route: `kind` called it `dense` and the start block's summary crashed on the missing one."""
+    import mode.console as console
+    from mode.config import load_config
+    from mode.plan import LayerPlan, Route
+
+    plan = [LayerPlan(index=0, mlp="dense"), LayerPlan(index=1, mlp="dense", mlp_route=Route(0.5, "mod_mlp/layer1")),
+            LayerPlan(index=2, mlp="moe", attn=Route(0.25, "mod_attn/layer2", "all"))]
+    assert [lp.kind for lp in plan] == ["dense", "mod_split(dense)", "mod_split(moe)+kv_all"]
+    monkeypatch.setattr(console, "layer_plan", lambda model_cfg: plan)
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", [])
+    assert "MoD capacity by layer {1: mlp 0.5, 2: attn 0.25 K/V from all}" in console.routing_summary(cfg)

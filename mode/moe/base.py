@@ -47,12 +47,16 @@ class MoEBase(nn.Module):
     @staticmethod
     def cost(cfg: ModelConfig) -> Cost:
         """Per token: the router over E + N outputs (no bias) and the experts counted at capacity,
-        top_k * min(1, capacity_factor) routes (dropless: top_k). Up to capacity factor 1 this is
-        what capacity-padded implementations compute and what bounds the native backend (above 1
-        padded buffers hold top_k * capacity_factor rows, the count stays at the routes); no-op
-        experts cost nothing."""
+        min(E, top_k * min(1, capacity_factor)) rows (dropless: min(E, top_k); a token reaches each
+        real expert at most once, so with no-op experts and top_k > E at most E). Up to capacity
+        factor 1 this is what capacity-padded implementations compute and what bounds the native
+        backend (above 1 padded buffers hold top_k * capacity_factor rows, the count stays at the
+        routes); no-op experts cost nothing. Exact when E divides capacity_factor * top_k * T for
+        the T tokens of a routing call: padding rounds each expert's capacity up (at most E rows
+        more per call), and `min_capacity`, a floor for small calls, is not counted."""
         m, d = cfg.moe, cfg.d_model
         n_out = m.num_experts + m.num_noop_experts
         e = MLP.cost(d, m.d_expert or cfg.d_ff, cfg.mlp)
         frac = 1.0 if m.capacity_factor is None else min(1.0, m.capacity_factor)
-        return Cost(d * n_out + m.num_experts * e.params, 2 * d * n_out + m.top_k * frac * e.flops)
+        rows = min(m.num_experts, m.top_k * frac)
+        return Cost(d * n_out + m.num_experts * e.params, 2 * d * n_out + rows * e.flops)
