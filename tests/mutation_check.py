@@ -274,6 +274,24 @@ MUTANTS = [
      'float(kw.get("top_p") or 1.0)', "1.0", ["tests/test_harness.py"]),
     ("an export records sampling's stand-in data source", "mode/generate.py",
      "        cfg.data.source = data.get(\"source\", cfg.data.source)\n", "", ["tests/test_export.py"]),
+    # Session 12: cluster launch (issue #17) and the layer plan (issue #12) audits
+    ("pdsh replaces %h in an --env value", "launch/run.py",
+     """re.sub(r'([\\\\$`"])', r"\\\\\\1", v)).replace("%", "%%")""", """re.sub(r'([\\\\$`"])', r"\\\\\\1", v))""",
+     ["tests/test_cluster.py"]),
+    ("overrides re-parsed by the remote shell", "launch/run.py",
+     "        args = [pdsh_arg(x) for x in args]", "        pass", ["tests/test_cluster.py"]),
+    ("top_k above the real experts counted as top_k rows", "mode/moe/base.py",
+     "rows = min(m.num_experts, m.top_k * frac)", "rows = m.top_k * frac", FLOPS),
+    ("a capacity list pairs with out-of-order layers silently", "mode/config.py",
+     "_check(not isinstance(self.layers, list) or self.layers == sorted(set(self.layers)),",
+     "_check(True,", ["tests/test_mod_variants.py"]),
+    ("compare prepares data before checking later variants", "mode/compare.py",
+     "preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare)",
+     "preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare_data)",
+     ["tests/test_compare.py"]),
+    ("one routed sublayer alone is named dense", "mode/plan.py",
+     "if self.attn is not None or self.mlp_route is not None:", "if self.attn is not None:",
+     ["tests/test_structure.py"]),
 ]
 
 

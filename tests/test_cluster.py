@@ -115,6 +115,22 @@ def test_env_values_and_arguments_survive_the_remote_shell():
     assert out.split("\0")[:-1] == values + values
 
 
+def test_a_pdsh_launch_passes_its_arguments_in_the_remote_shells_form(tmp_path, monkeypatch, capsys):
+    """What the test above evaluates is what a two-host launch hands DeepSpeed's runner (--dry-run
+    prints it): the overrides were passed as typed, and the remote shell re-parsed them."""
+    import shlex
+
+    import launch.run as lr
+
+    monkeypatch.chdir(ROOT)
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
+    args = ["configs/tiny/dense.yaml", f"run.dir={tmp_path}/r $x %h", "train.max_steps=3"]
+    assert lr.main(["--hostfile", str(hostfile), "--dry-run", "--config", *args]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cmd[cmd.index("--config") + 1:] == [lr.pdsh_arg(a) for a in args]
+    assert lr.pdsh_arg(args[1]) != args[1] and lr.pdsh_arg(args[2]) == args[2]  # plain ones stay readable
+
+
 # ----------------------------------------------------------------------------------------------
 # The local cluster.
 
