@@ -225,14 +225,17 @@ def fp32_gemms_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile each block in place (as torchtitan does): one graph per block type is reused by
-    every layer of that type, compile time stays flat in depth, and the module keeps its class and
-    state_dict keys (checkpoints are interchangeable with eager runs). Graph breaks are allowed here
-    (dropless MoE and causal routing need sizes on the host); tests/test_compile.py proves there are
-    none on the paths that claim none."""
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
+    """torch.compile each block in place (as torchtitan does): one graph per block type and shape is
+    reused by every layer of that type, compile time stays flat in depth, and the module keeps its
+    class and state_dict keys (checkpoints are interchangeable with eager runs). Graph breaks are
+    allowed here (dropless MoE and causal routing need sizes on the host); tests/test_compile.py
+    proves there are none on the paths that claim none. Static shapes (dynamic=False): a block sees
+    a few fixed sizes in training (S, and k inside depth routing), and dynamo's automatic dynamic
+    shapes would recompile them all as symbolic, which the capacity arithmetic cannot trace.
+    Evaluation runs eager (Trainer.evaluate): its ragged causal routing would recompile per batch."""
     for block in model.blocks:
-        block.compile()
+        block.compile(dynamic=False, backend=backend)
     return model
 
 

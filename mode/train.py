@@ -372,7 +372,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        with torch.random.fork_rng(devices=[]):  # evaluation must not shift training randomness
+        # evaluation must not shift training randomness; compiled blocks run eager here (no-grad and
+        # causal routing's ragged shapes would recompile them: train.compile speeds up training)
+        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
             return self._evaluate()
 
     def _evaluate(self) -> dict:
@@ -402,7 +404,7 @@ class Trainer:
         return vals
 
     def dump_routing(self) -> None:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
             self._dump_routing()
 
     def _dump_routing(self) -> None:

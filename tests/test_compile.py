@@ -9,6 +9,7 @@ to still be caught, so the detector is shown to see syncs.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,49 @@ def test_a_real_training_step_reads_the_device_where_the_readme_says(tmp_path, p
         assert 1 <= reads <= 5, reads
     else:
         assert reads > 10, reads
+
+
+RECOMPILE_SCRIPT = """
+import json, sys
+import torch
+from mode.config import load_config
+from mode.engine import compile_blocks
+from mode.metrics import Accumulator
+from mode.train import Trainer
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    t = Trainer(load_config(a["config"], a["overrides"]))
+    compile_blocks(t.engine.module, backend="eager")  # what train.compile does, without inductor's minutes
+    for _ in range(2):  # warm-up: the block graphs for each shape a block sees in training
+        t.train_step(Accumulator())
+        t.step += 1
+    torch._dynamo.config.error_on_recompile = True
+    t.evaluate()
+    for _ in range(3):  # new batches: new routing decisions, new exact group sizes
+        t.train_step(Accumulator())
+        t.step += 1
+    t.evaluate()
+    print("NO RECOMPILES")
+"""
+
+
+@pytest.mark.slow  # a Trainer joins a process group: its own process
+def test_compiled_training_does_not_recompile_after_warm_up(tmp_path):
+    """train.compile on staged MoDE with exact expert groups (the CPU default) hit dynamo's
+    recompile limit within 6 steps: the group sizes read on the host were specialised into the
+    graph (a recompile per new set of sizes), and every evaluation recompiled the blocks for no-grad
+    and its ragged causal shapes. After the warm-up steps nothing recompiles, evaluations included."""
+    import subprocess
+
+    from tests.util import PY, ROOT, TINY, env
+
+    script = tmp_path / "recompile.py"
+    script.write_text(RECOMPILE_SCRIPT)
+    overrides = [*TINY, "data.num_workers=1", "train.eval_batches=2", f"run.dir={tmp_path / 'run'}"]
+    r = subprocess.run([PY, str(script), json.dumps({"config": "configs/tiny/mode_staged.yaml", "overrides": overrides})],
+                       cwd=ROOT, env=dict(env(1), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "NO RECOMPILES" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("what", ["exact_groups", "dropless", "causal_eval"])

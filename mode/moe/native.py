@@ -66,14 +66,22 @@ class NativeMoE(MoEBase):
 
     def compute(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
         """Dispatch, compute, combine for the routing decisions `r`."""
-        T, E, dev = x_TD.shape[0], self.E, x_TD.device
+        E, dev = self.E, x_TD.device
         padded = self.padded_groups if self.padded_groups is not None else dev.type != "cpu"
         if r.capacity is not None and padded:
             sizes = [r.capacity] * E  # static padded groups: no host sync
-            start_E = torch.arange(E, device=dev) * r.capacity
-        else:
-            sizes = r.kept_E.tolist()  # host sync: exact group sizes (free on CPU; dropless needs it)
-            start_E = r.kept_E.cumsum(0) - r.kept_E
+            return self._dispatch(x_TD, r, sizes, torch.arange(E, device=dev) * r.capacity)
+        return self._exact(x_TD, r)
+
+    @torch.compiler.disable
+    def _exact(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
+        """Exact groups: a host sync for the group sizes (free on CPU; dropless needs it). Eager under
+        torch.compile: traced, every new set of sizes would recompile the block (the recompile limit
+        is reached within a few steps)."""
+        return self._dispatch(x_TD, r, r.kept_E.tolist(), r.kept_E.cumsum(0) - r.kept_E)
+
+    def _dispatch(self, x_TD: torch.Tensor, r: Routing, sizes: list[int], start_E: torch.Tensor) -> torch.Tensor:
+        T, E, dev = x_TD.shape[0], self.E, x_TD.device
         M = sum(sizes)
         slot_TK = torch.where(r.keep_TK, start_E[r.idx_TK.clamp(max=E - 1)] + r.pos_TK, M)
         # Invert route -> slot into slot -> token (row M: scratch for unkept routes); empty
