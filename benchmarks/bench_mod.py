@@ -45,14 +45,17 @@ def timeit_interleaved(fns, reps: int, warmup: int = 1) -> list[float]:
     """Best-of-reps seconds of each fn, alternating them rep by rep: on a shared machine other
     load only ever adds time, so the minimum is the least disturbed measurement, and alternating
     keeps one side from owning a quiet (or busy) spell."""
+    sync = torch.cuda.synchronize if torch.get_default_device().type == "cuda" else (lambda: None)
     for _ in range(warmup):
         for f in fns:
             f()
     ts = [[] for _ in fns]
     for _ in range(reps):
         for f, t_ in zip(fns, ts):
+            sync()
             t = time.perf_counter()
             f()
+            sync()  # the GPU's work, not the launches
             t_.append(time.perf_counter() - t)
     return [min(t_) for t_ in ts]
 
@@ -122,12 +125,13 @@ def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=1, V=320, reps=5):
 
 def report(runs, D, H, F, reps) -> str:
     """runs: [(threads, block rows, model timings, load average)] -> one markdown section."""
-    cpu = platform.processor() or platform.machine()
+    cpu, dev = platform.processor() or platform.machine(), torch.get_default_device()
     rows0 = runs[0][1]
     lines = [
-        "## MoD block and model speed (CPU)",
+        f"## MoD block and model speed ({dev.type.upper()})",
         "",
-        f"Machine: {os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__}, fp32. "
+        (f"Machine: {os.cpu_count()}-core CPU ({cpu})" if dev.type == "cpu" else
+         f"Machine: {torch.cuda.get_device_name()}") + f", torch {torch.__version__}, fp32. "
         f"Block: d_model {D}, {H} heads, SwiGLU d_ff {F}, {rows0[0][1] * rows0[0][0]} tokens per batch; "
         f"forward + backward (+ router/predictor aux loss for MoD); best of {reps} reps, dense and MoD "
         "interleaved, after warmup. FLOP limit = analytic training FLOPs dense / MoD (router and "
@@ -170,7 +174,9 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="S=1024, capacity 0.125 only")
     ap.add_argument("--threads", default="0", help="comma list of torch thread counts (0 = torch's default)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every tensor and model is made there)")
     a = ap.parse_args()
+    torch.set_default_device(a.device)
     D, H, F = 512, 8, 2048
     kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else {}
     runs = []

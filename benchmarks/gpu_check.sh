@@ -8,8 +8,22 @@
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|all]   (logs go to OUT_DIR, default ./gpu_check_out)
 # Sections that need DeepSpeed (`mode train`, the DeepSpeed MoE layer) say so and are skipped where it
 # is not installed (a lent machine's image may lack it and reach no package index).
+# Every step runs even when one fails (a lent machine is not started twice for one failure); the
+# exit status is 1 if any step failed or timed out, and each failure is named at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+failed=()
+# step LOG SECONDS CMD...: run under a timeout, append the output to LOG (and show it), note a failure.
+step() {
+  local log=$1 secs=$2
+  shift 2
+  timeout "$secs" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  if ((rc != 0)); then
+    echo "FAILED (exit $rc$( ((rc == 124)) && echo ", timed out after ${secs}s")): $*" | tee -a "$log"
+    failed+=("$*")
+  fi
+}
 OUT=${1:-${OUT:-gpu_check_out}}
 PART=${2:-all}
 mkdir -p "$OUT"
@@ -27,16 +41,17 @@ $PY -c "import megablocks; print('megablocks', megablocks.__version__)" 2>&1 | t
 
 if [[ $PART == 1 || $PART == all ]]; then
   echo "== GPU tests" | tee "$OUT/tests.txt"
-  timeout 120 $PY -m pytest -q -m gpu tests 2>&1 | tail -20 | tee -a "$OUT/tests.txt"
+  step "$OUT/tests.txt" 120 $PY -m pytest -q -m gpu tests
 
   echo "== bf16 training steps (tiny MoD and staged MoDE; then MoD compiled)" | tee "$OUT/bf16.txt"
   if [[ $HAVE_DS == 1 ]]; then
     for run in "mod.yaml" "mode_staged.yaml" "mod.yaml train.compile=true"; do
       set -- $run
       name="bf16_$(basename "$1" .yaml)${2:+_compiled}"
-      timeout 75 $PY -m mode.cli train --config "configs/tiny/$1" "${@:2}" deepspeed.precision=bf16 \
+      step "$OUT/$name.log" 60 $PY -m mode.cli train --config "configs/tiny/$1" "${@:2}" deepspeed.precision=bf16 \
         deepspeed.zero_stage=1 train.max_steps=50 train.eval_every=25 log.progress=false run.dir="$OUT/$name" \
-        run.fresh=true 2>&1 | tail -3 | tee -a "$OUT/bf16.txt"
+        run.fresh=true >/dev/null
+      tail -3 "$OUT/$name.log" | tee -a "$OUT/bf16.txt"
       cat "$OUT/$name/DONE" 2>&1 | tee -a "$OUT/bf16.txt"; echo | tee -a "$OUT/bf16.txt"
     done
   else
@@ -44,17 +59,24 @@ if [[ $PART == 1 || $PART == all ]]; then
   fi
 
   echo "== Speed modes: fp32/bf16 x eager/compiled, dense vs MoD (d_model 512, S 1024)" | tee "$OUT/bench_speed.txt"
-  timeout 90 $PY -m pytest -q tests/test_compile.py 2>&1 | tail -5 | tee -a "$OUT/bench_speed.txt"
-  timeout 150 $PY benchmarks/bench_speed.py --batch 8 --reps 5 2>&1 | tee -a "$OUT/bench_speed.txt"
+  step "$OUT/bench_speed.txt" 150 $PY -m pytest -q tests/test_compile.py
+  step "$OUT/bench_speed.txt" 140 $PY benchmarks/bench_speed.py --batch 8 --reps 5
 fi
 
 if [[ $PART == 2 || $PART == all ]]; then
   echo "== Optimizer step: AdamW loop vs foreach vs fused, and whole steps (fused is what mode train uses)" | tee "$OUT/bench_optimizer.txt"
-  timeout 90 $PY benchmarks/bench_optimizer.py --device cuda --reps 10 2>&1 | tee -a "$OUT/bench_optimizer.txt"
+  step "$OUT/bench_optimizer.txt" 90 $PY benchmarks/bench_optimizer.py --device cuda --reps 10
 
   echo "== MoE layers: native vs DeepSpeed vs MegaBlocks" | tee "$OUT/bench_moe.txt"
-  timeout 200 $PY benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/bench_moe.txt"
+  step "$OUT/bench_moe.txt" 200 $PY benchmarks/bench_moe.py
 
   echo "== MoD block speed" | tee "$OUT/bench_mod.txt"
-  timeout 200 $PY benchmarks/bench_mod.py 2>&1 | tee -a "$OUT/bench_mod.txt"
+  step "$OUT/bench_mod.txt" 200 $PY benchmarks/bench_mod.py --device cuda
 fi
+
+if ((${#failed[@]})); then
+  printf 'gpu_check: %d step(s) failed:\n' "${#failed[@]}"
+  printf '  %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "gpu_check: every step passed"
