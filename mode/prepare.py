@@ -771,11 +771,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_ours(path: Path) -> None:
-    """Delete a directory only if this module made it (a prepare's marker or manifest is inside)."""
+def _check_ours(path: Path) -> None:
+    """A directory this module made (a prepare's marker or manifest is inside), else ConfigError."""
     if not ((path / MARKER).is_file() or (path / MANIFEST).is_file()):
         raise ConfigError("data.prepared_dir", str(path.parent),
                           f"a directory mode can manage; {path} was not written by `mode data prepare`: move it away")
+
+
+def _remove_ours(path: Path) -> None:
+    """Delete a directory only if this module made it."""
+    _check_ours(path)
     shutil.rmtree(path)
 
 
@@ -811,7 +816,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
         except ConfigError:  # stale or damaged (its manifest file makes the directory ours)
             if not force:
                 raise
-            _remove_ours(out)
+            _check_ours(out)  # replaced once the new one is complete: a bad row found mid-way keeps it
         else:
             if out.exists():
                 raise ConfigError("data.prepared_dir", cfg.prepared_dir,
@@ -828,7 +833,15 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
             with open(f) as fh:
                 os.fsync(fh.fileno())
             (tmp / MARKER).unlink()
-            os.rename(tmp, out)  # atomic: the directory appears complete or not at all
+            if out.exists():  # --force over a stale or damaged directory: swapped out, then deleted
+                old = out.parent / f"{out.name}.old"
+                if old.exists():
+                    _remove_ours(old)
+                os.rename(out, old)
+                os.rename(tmp, out)
+                _remove_ours(old)
+            else:
+                os.rename(tmp, out)  # atomic: the directory appears complete or not at all
         except ConfigError:
             shutil.rmtree(tmp, ignore_errors=True)  # bad input: nothing worth resuming
             raise

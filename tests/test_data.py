@@ -373,6 +373,26 @@ def test_hub_tokenizer_from_the_local_cache(tmp_path, monkeypatch):
         prep.build_tokenizer(DataConfig(tokenizer="someorg/absent"))
 
 
+def test_force_keeps_the_old_prepared_data_until_the_new_is_complete(tmp_path):
+    """Bug caught: `mode data prepare --force` deleted the stale directory first, then met a bad row
+    in the changed source: the error left no prepared data at all (hours to rebuild at scale)."""
+    src = tmp_path / "docs.jsonl"
+    rows = [{"text": f"document number {i} " * 20} for i in range(40)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"data.source={src}", f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1",
+                             "data.seq_len=16"])
+    path = check_data(cfg)
+    before = sorted((f.name, f.stat().st_size) for f in path.iterdir())
+    src.write_text(src.read_text() + json.dumps({"text": None}) + "\n")
+    with pytest.raises(ConfigError, match="a column of strings in every row"):
+        prep.prepare(cfg.data, force=True, progress=False)
+    assert sorted((f.name, f.stat().st_size) for f in path.iterdir()) == before  # the old data, whole
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5]))
+    assert prep.prepare(cfg.data, force=True, progress=False) == path
+    check_data(cfg)
+    assert sorted(q.name for q in path.parent.iterdir() if not q.name.endswith(".lock")) == [path.name]
+
+
 def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
