@@ -29,6 +29,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -394,9 +395,13 @@ def check_out(out: Path, key: str, shown: str, explicit: bool) -> None:
         place = place.parent
     if not place.is_dir():
         raise ConfigError(key, shown, f"a file in a directory ({place} is a file)")
-    if not os.access(place, os.W_OK | os.X_OK):
-        raise ConfigError(key, shown, f"a writable location ({place} is not writable): checked before evaluating, "
-                                      "so no results are lost")
+    try:  # a real write, not os.access: root passes that everywhere, and /sys or /proc refuse files anyway
+        fd, probe = tempfile.mkstemp(dir=place, prefix=".mode-eval-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(key, shown, f"a writable location ({place}: {e.strerror}): checked before evaluating, "
+                                      "so no results are lost") from None
 
 
 def default_out_name(tasks: list[str], routing: str) -> str:
@@ -445,13 +450,14 @@ def main(argv=None) -> int:
         raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
     if a.batch_size < 1:
         raise ConfigError("--batch-size", a.batch_size, ">= 1")
-    if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0):
-        raise ConfigError("--limit", a.limit, "a finite number > 0 (a count, or a fraction if < 1)")
+    if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0 or (a.limit > 1 and a.limit % 1)):
+        raise ConfigError("--limit", a.limit, "a finite number > 0: a whole count, or a fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing)
     if a.out and not out.parent.is_dir():
-        raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} does not exist)")
+        why = "is a file" if out.parent.exists() else "does not exist"
+        raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} {why})")
     if a.out:  # the default, RUN/eval/, is the run's own
         check_outside_runs(a.out, "--out", owned="eval")
     check_out(out, "--out", a.out if a.out else str(out), explicit=bool(a.out))

@@ -7,6 +7,7 @@ Shape legend: S sequence, V vocabulary.
 """
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,29 +372,34 @@ def test_eval_default_out_never_replaces_a_users_file_and_stays_a_valid_name(tmp
     assert sorted(json.loads(written.read_text())["results"]) == sorted(tasks)
 
 
-def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness, monkeypatch):
+def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness):
     """Bug caught: the output location was only written after the whole evaluation, so an unwritable
-    --out lost the results (PermissionError at the end). Now one config error line before evaluating."""
+    --out lost the results (PermissionError at the end). Then os.access checked it, which says yes to
+    root everywhere and to /proc and /sys: a real file is created and removed there first."""
     import os
 
+    places = [Path("/proc")]  # refuses new files for root too
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
-    if os.geteuid() == 0:  # root writes anywhere: make os.access answer as it would for a user
-        real = os.access
-        monkeypatch.setattr(os, "access", lambda p, mode: False if os.path.abspath(p) == str(ro) else real(p, mode))
+    if os.geteuid() != 0:
+        places.append(ro)
     try:
-        _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out", str(ro / "r.json")],
-                        f"--out={str(ro / 'r.json')!r}: a writable location ({ro} is not writable)")
+        for place in places:
+            _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out",
+                                     str(place / "r.json")], f"--out={str(place / 'r.json')!r}: a writable location ({place}: ")
     finally:
         ro.chmod(0o755)
     assert stub_harness == [] and list(ro.iterdir()) == []
+    (tmp_path / "notes.md").write_text("mine")  # a parent that is a file is named as one
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out",
+                             str(tmp_path / "notes.md" / "r.json")], f"({tmp_path / 'notes.md'} is a file)")
 
 
-@pytest.mark.parametrize("limit", ["nan", "inf"])
+@pytest.mark.parametrize("limit", ["nan", "inf", "1.5"])
 def test_eval_non_finite_limit_is_one_config_error(tmp_path, capsys, stub_harness, limit):
     """Bug caught: `mode eval --limit nan` passed the `> 0` check and died in int() with a ValueError
-    line (inf: OverflowError)."""
+    line (inf: OverflowError); 1.5 scored one document silently."""
     _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--limit", limit],
                     f"config error: --limit={float(limit)!r}: a finite number > 0")
     assert stub_harness == []
