@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 from mode.errors import OneLineParser as _OneLineParser  # bad options: one line, exit 2
 
@@ -28,6 +29,8 @@ def _flops(argv) -> int:
         _check_knob(cfg, a.knob)
         from mode.flops import solve_knob
 
+        if not Path(a.match).is_file():
+            raise ConfigError("--match", a.match, "an existing YAML file")
         target = count(load_config(a.match))["forward_flops_per_token"]
         v = solve_knob(cfg, a.knob, target, 1e-3, 1.0)
         cfg = load_config(a.config, a.overrides + [f"{a.knob}={v}"])
@@ -38,9 +41,14 @@ def _flops(argv) -> int:
             raise ConfigError("--match", a.match, msg=f"--match={a.match}: its {target:.6g} FLOPs/token is out of "
                               f"reach of {a.knob} in [0.001, 1], which gives {ends[0]:.6g} to {ends[1]:.6g} here "
                               "(2% allowed, as match_flops)")
-        print(f"{a.knob}={v:.6g}  (target {target:.6g} FLOPs/token)")
+        solved = {"knob": a.knob, "value": v, "target_flops_per_token": target}
     c = count(cfg)
-    print(json.dumps(c) if a.json else format_table(c))
+    if a.json:  # stdout holds one JSON object: the solved knob goes into it
+        print(json.dumps({**c, "match": solved} if a.match else c))
+    else:
+        if a.match:
+            print(f"{a.knob}={v:.6g}  (target {target:.6g} FLOPs/token)")
+        print(format_table(c))
     return 0
 
 
@@ -61,8 +69,6 @@ def _check_knob(cfg, knob: str) -> None:
 
 
 def _generate(argv) -> int:
-    from pathlib import Path
-
     from mode.config import ConfigError
     from mode.generate import cli_generate
 

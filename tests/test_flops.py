@@ -128,6 +128,11 @@ def test_match_solves_the_mod_capacity(knob, capsys):
     target = count(load_config(ROOT / "configs/tiny/dense.yaml"))["forward_flops_per_token"]
     got = count(load_config(ROOT / "configs/tiny/mod.yaml", over + [f"model.mod.capacity={v}"]))
     assert abs(got["forward_flops_per_token"] - target) / target < 0.01, (v, got["forward_flops_per_token"], target)
+    # --json: stdout is one JSON object (the solved line went before it), holding the solved knob
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["match"]["knob"] == "model.mod.capacity" and out["match"]["value"] == pytest.approx(v, rel=1e-5)
+    assert out["forward_flops_per_token"] == pytest.approx(got["forward_flops_per_token"], rel=1e-4)
 
 
 @pytest.mark.parametrize("config,other", [("dense", "mod"), ("mod", "moe")])
@@ -146,6 +151,10 @@ def test_match_out_of_reach_is_refused(config, other, capsys):
 
 def test_flops_bad_option_is_one_line(capsys):
     from mode.cli import main
+
+    # a missing --match file is named as --match (it was reported as --config)
+    assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--match", "nope.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == "config error: --match='nope.yaml': an existing YAML file"
 
     with pytest.raises(SystemExit) as e:
         main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--bogus"])
