@@ -492,8 +492,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         split.setdefault(r.variant.partition("#")[0], []).append(r)
     for name, group in split.items():
         keys = list(group[0].config_diff)
-        lines += [f"**Runs named `{name}` do not share one config**: each config is its own variant "
-                  f"(`{name}#k`), never averaged with the others. The keys that differ:", "",
+        lines += [f"**Runs named `{name}` do not share one config, or repeat a seed**: each config (and each "
+                  f"repeat of a seed, key `repeat`) is its own variant (`{name}#k`), never averaged with the "
+                  "others. The keys that differ:", "",
                   "| variant | run | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
         lines += [f"| `{r.variant}` | `{_rel(r.path, runs_dir)}` | " + " | ".join(str(r.config_diff[k]) for k in keys)
                   + " |" for r in group]

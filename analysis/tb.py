@@ -294,14 +294,25 @@ def config_signature(run: RunLog) -> dict:
 
 
 def separate_configs(runs: list[RunLog]) -> list[RunLog]:
-    """Runs named alike (`run.name`) are seeds of one variant only if their configs agree; otherwise
-    each config becomes its own variant `<name>#1`, `<name>#2`, ... (first by path) and its runs get
-    `config_diff`, the keys in which the configs differ, so a report never averages unlike runs."""
+    """Runs named alike (`run.name`) are seeds of one variant only if their configs agree and their
+    seeds differ; otherwise each config (and each repeat of a seed: key `repeat`) becomes its own
+    variant `<name>#1`, `<name>#2`, ... (first by path) and its runs get `config_diff`, the keys in
+    which they differ, so a report never averages unlike runs or counts a seed twice."""
     by_name: dict[str, list[RunLog]] = {}
     for r in runs:
         by_name.setdefault(r.variant, []).append(r)
     for name, group in by_name.items():
         sigs = [config_signature(r) for r in group]
+        # a seed run twice with one config (another launcher, a copy) is a repeat, not another sample:
+        # the n-th run of a (config, seed) pair, by path, goes into the n-th variant of that config
+        seen: dict[str, int] = {}
+        for r, s in zip(group, sigs):
+            k = json.dumps([sorted(s.items()), r.seed], default=str)
+            seen[k] = seen.get(k, 0) + 1
+            s["repeat"] = seen[k]
+        if max(seen.values()) == 1:
+            for s in sigs:
+                del s["repeat"]
         keys = [json.dumps(sorted(s.items()), default=str) for s in sigs]
         distinct = list(dict.fromkeys(keys))
         if len(distinct) < 2:

@@ -425,6 +425,21 @@ def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     assert "| `dense_seed0` | `c/dense_seed0` | `dense#3` |" in md
 
 
+def test_a_seed_run_twice_is_not_counted_as_two_seeds(tmp_path):
+    """Bug caught: one config trained twice with seed 0 (through deepspeed and torchrun) was one
+    variant with "2 seeds" and a spread of 0: a repeat is not an independent sample."""
+    root = tmp_path / "runs"
+    _write_run(root / "ds" / "dense_seed0", "dense", 0, 2.0)
+    _write_run(root / "ds" / "dense_seed1", "dense", 1, 2.4)
+    _write_run(root / "tr" / "dense_seed0", "dense", 0, 2.0)
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert {v: row["seeds"] for v, row in summary.items()} == {"dense#1": [0, 1], "dense#2": [0]}
+    assert [r["config_diff"] for r in summary["dense#2"]["runs"]] == [{"repeat": 2}]
+    assert "or repeat a seed" in (out / "report.md").read_text()
+
+
 def test_readme_names_every_key_analyze_does_not_compare():
     """The README's `mode analyze` paragraph is the user's only way to know which runs it averages."""
     readme = " ".join((ROOT / "README.md").read_text().split())
