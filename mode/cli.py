@@ -64,8 +64,13 @@ def _check_knob(cfg, knob: str) -> None:
         node = getattr(node, part, None)
     tp = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
     if tp is not float and float not in typing.get_args(tp):  # float, Optional[float], Capacity (float or list)
+        import difflib
+
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = difflib.get_close_matches(last, names, n=1) if tp is None else []
+        hint = f"; did you mean {'.'.join(path)}.{close[0]}?" if close else ""
         raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
-                          "model.moe.capacity_factor)")
+                          f"model.moe.capacity_factor){hint}")
 
 
 def _generate(argv) -> int:
@@ -112,6 +117,9 @@ def _generate(argv) -> int:
         # a prompt may hold); a blank line is no prompt
         prompts += [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
+        if a.prompt_file:  # the file was given and holds no prompt: name it
+            raise ConfigError("--prompt-file", a.prompt_file, "a file with at least one non-blank line (one prompt "
+                              "per line; this one has none)")
         raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
     try:
         outs = cli_generate(a.run, prompts, a.max_new_tokens, a.temperature, a.seed, a.top_k, a.top_p, a.stop,

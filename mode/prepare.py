@@ -350,7 +350,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
             text = row.get(cfg.text_key)
             if not isinstance(text, str):
                 got = "no such column" if cfg.text_key not in row else f"{type(text).__name__}"
-                raise ConfigError("data.text_key", cfg.text_key, f"a column of strings in every row (row {i} of "
+                raise ConfigError("data.text_key", cfg.text_key, f"a column of strings in every row (row {i + 1} of "
                                   f"{spec}: {got})")
             yield text
 

@@ -909,8 +909,8 @@ def _bad_inputs(tmp_path):
         ([f"data.source={d}/empty.txt"], "a corpus with at least one non-empty training document", None),
         # was: tokenized whole, then "a corpus with at least one non-empty training document" (it had one)
         ([f"data.source={d}/one.txt"], "one text file is one document with data.sample_by=document", None),
-        # was: "a column of strings (got NoneType)", no row or file named
-        ([f"data.source={d}/nulls.jsonl"], f"a column of strings in every row (row 1 of {d}/nulls.jsonl: NoneType)",
+        # was: "a column of strings (got NoneType)", no row or file named (rows count from 1, as lines do)
+        ([f"data.source={d}/nulls.jsonl"], f"a column of strings in every row (row 2 of {d}/nulls.jsonl: NoneType)",
          None),
         ([f"data.source={d}/short.txt", "data.val_source=" + f"{d}/short.txt"], "config error: data.source=", None),
         ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.seq_len=4000", "model.max_seq_len=4096"],

@@ -155,6 +155,10 @@ def test_flops_bad_option_is_one_line(capsys):
     # a missing --match file is named as --match (it was reported as --config)
     assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--match", "nope.yaml"]) == 2
     assert capsys.readouterr().err.strip() == "config error: --match='nope.yaml': an existing YAML file"
+    # a misspelt --knob gets the config's "did you mean", as a misspelt key does
+    assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--match", str(ROOT / "configs/tiny/dense.yaml"),
+                 "--knob", "model.mod.capcity"]) == 2
+    assert capsys.readouterr().err.strip().endswith("; did you mean model.mod.capacity?")
 
     with pytest.raises(SystemExit) as e:
         main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--bogus"])
