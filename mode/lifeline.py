@@ -89,9 +89,11 @@ def die_with_launcher(poll_s: float = 1.0) -> bool:
 
 
 def use_venv_build_cache() -> None:
-    """Build torch/DeepSpeed extensions under this virtualenv (unless TORCH_EXTENSIONS_DIR is set)."""
+    """Build torch/DeepSpeed extensions under this virtualenv (unless TORCH_EXTENSIONS_DIR is set).
+    The resolved path: checkouts reaching one virtualenv through a symlink (worktrees) share one
+    build instead of each rewriting its build.ninja with their own path (a rebuild every start)."""
     if sys.prefix != sys.base_prefix:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
 
 
 def _in_use(lock: Path) -> bool:
