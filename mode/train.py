@@ -372,10 +372,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        # evaluation must not shift training randomness; compiled blocks run eager here (no-grad and
-        # causal routing's ragged shapes would recompile them: train.compile speeds up training)
-        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
+        # evaluation must not shift training randomness
+        with torch.random.fork_rng(devices=[]), self._eager():
             return self._evaluate()
+
+    def _eager(self):
+        """Compiled blocks run eager in evaluation: no-grad and causal routing's ragged shapes would
+        recompile them (train.compile speeds up training). Without train.compile dynamo stays unloaded."""
+        if self.cfg.train.compile:
+            return torch.compiler.set_stance("force_eager")
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def _evaluate(self) -> dict:
         model = self.engine.module
@@ -404,7 +412,7 @@ class Trainer:
         return vals
 
     def dump_routing(self) -> None:
-        with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
+        with torch.random.fork_rng(devices=[]), self._eager():
             self._dump_routing()
 
     def _dump_routing(self) -> None:

@@ -292,6 +292,17 @@ MUTANTS = [
     ("one routed sublayer alone is named dense", "mode/plan.py",
      "if self.attn is not None or self.mlp_route is not None:", "if self.attn is not None:",
      ["tests/test_structure.py"]),
+    # Session 12: a new user's walk through the README
+    ("prepare --force deletes the old data before the new is complete", "mode/prepare.py",
+     "            _check_ours(out)  # replaced once", "            _remove_ours(out)  # replaced once",
+     ["tests/test_data.py"]),
+    ("eval's --out checked by os.access (root passes)", "mode/harness.py",
+     '        fd, probe = tempfile.mkstemp(dir=place, prefix=".mode-eval-probe-")\n        os.close(fd)\n'
+     "        os.unlink(probe)\n", "        os.access(place, os.W_OK)\n", ["tests/test_harness.py"]),
+    ("a repeated seed counted as another seed", "analysis/tb.py",
+     '            s["repeat"] = seen[k]', '            s["repeat"] = 1', ["tests/test_analysis.py"]),
+    ("flops --match --json drops the solved knob", "mode/cli.py",
+     'print(json.dumps({**c, "match": solved} if a.match else c))', "print(json.dumps(c))", ["tests/test_flops.py"]),
 ]
 
 

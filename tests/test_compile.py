@@ -274,6 +274,7 @@ if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     t = Trainer(load_config(a["config"], a["overrides"]))
     compile_blocks(t.engine.module, backend="eager")  # what train.compile does, without inductor's minutes
+    t.cfg.train.compile = True  # and the trainer knows it runs compiled blocks
     for _ in range(2):  # warm-up: the block graphs for each shape a block sees in training
         t.train_step(Accumulator())
         t.step += 1
