@@ -184,7 +184,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def native_bf16_gemms(dev: torch.device) -> bool:
     """True where bf16 GEMMs have fast kernels: GPUs, and CPUs oneDNN runs bf16 on (avx512_bf16 /
-    AMX). Elsewhere (AVX2-only CPUs) torch falls back to a scalar bf16 GEMM: measured 30-100x slower
+    AMX). Elsewhere (AVX2-only CPUs) torch falls back to a scalar bf16 GEMM: measured 28-96x slower
     than fp32 (benchmarks/RESULTS.md, "bf16 on CPU")."""
     return dev.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
