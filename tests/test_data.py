@@ -393,6 +393,19 @@ def test_force_keeps_the_old_prepared_data_until_the_new_is_complete(tmp_path):
     assert sorted(q.name for q in path.parent.iterdir() if not q.name.endswith(".lock")) == [path.name]
 
 
+def test_a_bad_row_leaves_no_prepared_directories_behind(tmp_path):
+    """Bug caught: a source with a bad row deep inside (found mid-prepare) was refused, but the
+    data.prepared_dir it had made (and its parents) stayed behind, empty."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 30 if i != 30 else None}) + "\n" for i in range(40)))
+    (tmp_path / "keep").mkdir()  # an existing parent is not the prepare's to remove
+    cfg = load_config(None, [f"data.source={src}", f"data.prepared_dir={tmp_path / 'keep' / 'a' / 'p'}",
+                             "data.num_workers=1", "data.seq_len=16"])
+    with pytest.raises(ConfigError, match=r"row 31 of"):
+        check_data(cfg)
+    assert list((tmp_path / "keep").iterdir()) == []
+
+
 def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
