@@ -160,17 +160,28 @@ def _data(argv) -> int:
     a = p.parse_args(argv[1:])
     from mode.config import load_config
     from mode.data import check_data, check_vocab
-    from mode.prepare import prepare, read_manifest
+    from mode.prepare import MANIFEST, prepare, prepared_path, read_manifest
 
     cfg = load_config(a.config, a.overrides)
     check_vocab(cfg)  # before hours of tokenizing, as `mode train` does
+
+    def manifest_id():
+        try:
+            st = (prepared_path(cfg.data) / MANIFEST).stat()
+            return st.st_ino, st.st_mtime_ns
+        except OSError:
+            return None
+
+    before = manifest_id()
     path = prepare(cfg.data, force=a.force, progress=cfg.log.progress)
     check_data(cfg)  # the config that prepared it can also train on it
     m = read_manifest(path)
     sp = m["splits"]
-    print(f"prepared {path}: train {sp['train']['tokens']:,} tokens / {sp['train']['documents']:,} documents, "
+    done = "already prepared" if before is not None and manifest_id() == before else "prepared"
+    print(f"{done} {path}: train {sp['train']['tokens']:,} tokens / {sp['train']['documents']:,} documents, "
           f"val {sp['val']['tokens']:,} tokens / {sp['val']['documents']:,} documents "
-          f"({m['dtype']}, vocab {m['vocab_size']}, EOS {m['eos_id']}; {m['tokens_per_s']:,} tokens/s)")
+          f"({m['dtype']}, vocab {m['vocab_size']}, EOS {m['eos_id']}; {m['tokens_per_s']:,} tokens/s "
+          f"over the whole prepare{', when it was made' if done != 'prepared' else ''})")
     return 0
 
 

@@ -960,6 +960,21 @@ def test_data_prepare_checks_the_vocabulary_before_tokenizing(tmp_path, corpus, 
     assert not prepared.exists()
 
 
+def test_data_prepare_says_when_the_data_was_prepared_already(tmp_path, corpus, capsys):
+    """A rerun found the data prepared and did nothing, yet printed `prepared ...` with a rate, as if
+    it had tokenized the corpus again."""
+    from mode.cli import main
+
+    argv = ["data", "prepare", "--config", str(ROOT / "configs/tiny/dense.yaml"), f"data.source={corpus / 'txt'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=1", "log.progress=false"]
+    outs = []
+    for extra in ([], [], ["--force"]):  # --force over data that is current is a no-op too
+        assert main(argv + extra) == 0
+        outs.append(capsys.readouterr().out.strip())
+    assert outs[0].startswith("prepared ") and "tokens/s over the whole prepare)" in outs[0], outs
+    assert all(o.startswith("already prepared ") and o.endswith(", when it was made)") for o in outs[1:]), outs
+
+
 @pytest.mark.parametrize("print_config", [False, True])
 def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, print_config):
     """Through `mode train` (and `--print-config`, which makes the same checks without preparing)."""
