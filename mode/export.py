@@ -52,7 +52,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
             for src, name in tok_files:
                 shutil.copy2(src, tmp / TOKENIZER_DIR / name)
         (tmp / "config.yaml").write_text(dump_config(cfg))
-        info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(source),
+        info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(Path(source).resolve()),
                 "parameters": sum(p.numel() for p in model.parameters())}
         (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
         # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got

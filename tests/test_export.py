@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +20,13 @@ TOK = ByteTokenizer()
 
 
 @pytest.mark.parametrize("preset", ["mod", "moe"])
-def test_export_gives_the_same_logits(tmp_path, preset):
+def test_export_gives_the_same_logits(tmp_path, preset, monkeypatch):
     model, run = fake_run(tmp_path, preset)
     (tmp_path / "out").mkdir()  # an existing empty directory is fine
-    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    monkeypatch.chdir(tmp_path)  # relative paths, as typed: export.json records both absolute
+    assert cli_main(["export", "--run", run.name, "--out", "out"]) == 0
+    info = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert info["run"] == str(run.resolve()) and Path(info["checkpoint"]).is_absolute(), info  # was cwd-relative
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["config.yaml", "export.json", "model.safetensors"]
     from safetensors import safe_open  # a plain tensor container: opening it runs no pickle
