@@ -566,7 +566,8 @@ def apply_overrides(d: dict, overrides: List[str]) -> dict:
             node[p] = dict(node.get(p) or {})
             node = node[p]
         try:
-            node[parts[-1]] = parse_yaml(val) if val != "" else ""
+            # a bare `~` on a command line is the home directory (run.dir=~), not YAML's null
+            node[parts[-1]] = parse_yaml(val) if val not in ("", "~") else val
         except yaml.YAMLError as e:
             raise ConfigError(key, val, f"a YAML value ({_yaml_problem(e)})") from None
     return d

@@ -50,6 +50,21 @@ def test_run_dir_never_empty_cwd_or_parent(tmp_path, monkeypatch, value):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
+def test_run_dir_tilde_on_the_command_line_is_the_home_directory(tmp_path, monkeypatch):
+    """`run.dir=~` was read as YAML's null: `run.dir=None: a value of type str`, which told the user
+    nothing; a bare `~` is the home directory, refused as one (the README: `~` is expanded)."""
+    from mode.config import ConfigError, load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    from mode import rundir
+
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", ["run.dir=~"])
+    assert Path(cfg.run.dir).expanduser() == tmp_path / "home"
+    with pytest.raises(ConfigError, match=r"^config error: run.dir=.*: a directory that is neither .* home directory"):
+        rundir.check(cfg.run.dir, False)
+
+
 def test_run_dir_below_a_file_is_refused_by_the_check(tmp_path):
     """Bug caught: run.dir=FILE/sub passed the check (and --print-config); the start then died with
     `error: NotADirectoryError` instead of a config error."""
