@@ -142,7 +142,7 @@ MUTANTS = [
      "return DepthRouter.cost(d_model, cfg) + Cost(inner.params, inner.flops * k / seq_len)",
      "c = DepthRouter.cost(d_model, cfg)\n        return Cost(c.params + inner.params, (c.flops + inner.flops) * k / seq_len)", FLOPS),
     ("MoE router FLOPs over real experts only", "mode/moe/base.py",
-     "2 * d * n_out + m.top_k", "2 * d * m.num_experts + m.top_k", FLOPS),
+     "2 * d * n_out + rows * e.flops", "2 * d * m.num_experts + rows * e.flops", FLOPS),
     ("expert FLOPs ignore the capacity factor", "mode/moe/base.py",
      "frac = 1.0 if m.capacity_factor is None else min(1.0, m.capacity_factor)", "frac = 1.0", FLOPS),
     ("expert FLOPs at d_ff, not d_expert", "mode/moe/base.py",
