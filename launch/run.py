@@ -349,15 +349,16 @@ def main(argv=None) -> int:
     from mode.config import ConfigError
 
     backend = a.launcher if a.launcher in DS_BACKENDS else None
-    multinode = False
+    multinode = pdsh = False
     try:
         if a.no_ssh and a.node_rank is None:
             raise _err("--node_rank", None, "this node's rank (required with --no_ssh)")
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
+        pdsh = multinode and backend in (None, "pdsh")  # over ssh, through pdsh and the remote shell
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
-        ssh = multinode and backend in (None, "pdsh") and not a.dry_run and not a.validate_only
+        ssh = pdsh and not a.dry_run and not a.validate_only
         # after the cheap checks; with ssh, the hosts are asked before data is prepared (hours for a large corpus)
         cfg = validate(a.config, a.overrides, world, a.node_rank, prepare_data=not a.dry_run and not ssh)
         if ssh:
@@ -378,7 +379,7 @@ def main(argv=None) -> int:
         if master is None and len(nodes) > 1 and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess
             master = nodes[0][0]
         args = [a.config, *a.overrides]
-        if multinode and backend in (None, "pdsh"):  # through pdsh and the remote shell, unchanged
+        if pdsh:  # arrive unchanged
             args = [pdsh_arg(x) for x in args]
         cmd = deepspeed_command(args[0], args[1:], hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
@@ -390,7 +391,6 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if multinode:
-        pdsh = backend in (None, "pdsh")
         hosts = [h for h, _ in nodes]
         stop = (lambda: stop_nodes(hosts, a.ssh_port, master, a.master_port)) if pdsh else None
         return run_multinode(cmd, env, shell=pdsh, stop=stop)

@@ -23,7 +23,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     which must not exist or be empty (ConfigError otherwise, before anything is written)."""
     from mode.config import ConfigError, dump_config
     from mode.generate import load_run
-    from mode.rundir import check_outside_runs
+    from mode.rundir import check_outside_runs, parents_made
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -41,34 +41,29 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         f, conf = Path(tok.file), Path(tok.file).parent / "tokenizer_config.json"
         tok_files = [(f, "tokenizer.json")] + ([(conf, conf.name)] if conf.is_file() else [])
         cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
-    made = [p for p in out.absolute().parents if not p.exists()]  # innermost first: removed again on failure
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-    tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
-    try:
-        save_weights(model, tmp / WEIGHTS)
-        if tok_files:  # config.yaml names TOKENIZER_DIR, relative to the export dir; load_run resolves it
-            (tmp / TOKENIZER_DIR).mkdir()
-            for src, name in tok_files:
-                shutil.copy2(src, tmp / TOKENIZER_DIR / name)
-        (tmp / "config.yaml").write_text(dump_config(cfg))
-        info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()), "checkpoint": str(Path(source).resolve()),
-                "parameters": sum(p.numel() for p in model.parameters())}
-        (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
-        # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got
-        # (config.yaml: the umask's, e.g. 0644), so whoever may read the config may read the weights.
-        os.chmod(tmp / WEIGHTS, stat.S_IMODE((tmp / "config.yaml").stat().st_mode))
-        if out.exists():
-            out.rmdir()  # empty (checked above); rmdir refuses if something appeared since
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
+    # missing parents are made for the export and removed again if it fails
+    with parents_made(out.absolute().parent):
+        tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+        tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
+        try:
+            save_weights(model, tmp / WEIGHTS)
+            if tok_files:  # config.yaml names TOKENIZER_DIR, relative to the export dir; load_run resolves it
+                (tmp / TOKENIZER_DIR).mkdir()
+                for src, name in tok_files:
+                    shutil.copy2(src, tmp / TOKENIZER_DIR / name)
+            (tmp / "config.yaml").write_text(dump_config(cfg))
+            info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()),
+                    "checkpoint": str(Path(source).resolve()), "parameters": sum(p.numel() for p in model.parameters())}
+            (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+            # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got
+            # (config.yaml: the umask's, e.g. 0644), so whoever may read the config may read the weights.
+            os.chmod(tmp / WEIGHTS, stat.S_IMODE((tmp / "config.yaml").stat().st_mode))
+            if out.exists():
+                out.rmdir()  # empty (checked above); rmdir refuses if something appeared since
+            tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 

@@ -806,17 +806,10 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
             check_manifest(cfg, out, manifest, tok)
             return out
     check_place(cfg)
-    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # innermost first
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    from mode.rundir import parents_made
+
+    with parents_made(out.parent, undo_on=(ConfigError,)):  # bad input: the directories made for it go too
         return _prepare_locked(cfg, tok, out, force, progress)
-    except ConfigError:  # bad input: the directories made for it go too (only while empty)
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool) -> Path:

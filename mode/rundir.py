@@ -19,6 +19,7 @@ the next holder can say it took over from a dead one.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -64,6 +65,23 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def parents_made(d: Path, undo_on: tuple = (BaseException,)):
+    """`mkdir -p d` for the block; if it raises one of `undo_on`, the directories this made are
+    removed again (innermost first, only while empty): a refused command leaves no empty folders."""
+    made = [p for p in (d, *d.parents) if not p.exists()]  # innermost first
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        yield d
+    except undo_on:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _is_within(a: Path, b: Path) -> bool:
