@@ -276,14 +276,18 @@ def run_plan(run: RunLog):
 
 def processed_frac_from_logs(run: RunLog) -> np.ndarray | None:
     """[L] fraction of tokens whose MLP update each block computes, when no routing dump exists:
-    the depth-routing capacity of the block (or of its MLP, decoupled) times, in MoE layers, the
+    the depth-routing capacity of the block (or of its MLP, decoupled; as whole tokens, k/S) times, in MoE layers, the
     fraction of the tokens it sees that a real expert processed (`engaged_frac`: neither dropped
     nor sent only to no-ops). Runs logged before that tag: 1 − no-op share of routes, which
     ignores drops (approximate)."""
     plan = run_plan(run)
     if plan is None:
         return None
-    frac = np.array([lp.mlp_frac() for lp in plan])
+    from mode.config import DataConfig
+
+    data = run.config.get("data") if isinstance(run.config.get("data"), dict) else {}
+    seq_len = data.get("seq_len", DataConfig.seq_len)
+    frac = np.array([lp.mlp_frac(seq_len) for lp in plan])
     for lp in plan:
         engaged, noop = (run.last(f"moe/layer{lp.index}/{t}") for t in ("engaged_frac", "noop_frac"))
         if lp.mlp == "moe" and (engaged is not None or noop is not None):

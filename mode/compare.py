@@ -85,7 +85,7 @@ from pathlib import Path
 
 import yaml
 
-from mode.config import Config, ConfigError, parse_yaml
+from mode.config import Config, ConfigError, parse_yaml, user_path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "slurm")
@@ -201,8 +201,9 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
 
 def _user_path(v: str) -> str:
     """A path the user wrote, `~` expanded: the shell expands it on a command line, not in a YAML
-    value or a quoted argument, and a literal `./~/` would hold the grid's files."""
-    return os.path.expanduser(v)
+    value or a quoted argument, and a literal `./~/` would hold the grid's files (`..` folded: see
+    mode.config.user_path)."""
+    return user_path(v)
 
 
 def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Experiment:

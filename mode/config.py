@@ -31,6 +31,13 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {text}")
 
 
+def user_path(p: str) -> str:
+    """A path as the user wrote it, `~` expanded and `.`/`..` folded (lexically): every check and
+    every write then name one directory. Unfolded, `runs/x/..` was checked as a directory that does
+    not exist (so no check applied), then its parents were made and the run written into `runs`."""
+    return os.path.normpath(os.path.expanduser(p)) if p.strip() else p
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(key, value, allowed)
@@ -271,6 +278,9 @@ class DataConfig:
     shard_tokens: int = 268435456
     """Tokens per shard file of the prepare step (a shard ends at the end of the first encode batch past it: up to 4,096 documents or ~1 MB of text, so small values give larger shards); a killed prepare resumes after its last complete shard."""
 
+    def __post_init__(self):
+        self.prepared_dir = user_path(self.prepared_dir)
+
     def validate(self) -> None:
         _check(self.format in ("auto", "text", "json", "parquet", "csv", "tsv"), "data.format", self.format,
                "auto, text, json, parquet, csv or tsv")
@@ -436,7 +446,7 @@ class RunConfig:
     """Variant name (set by `mode compare`); shown in reports."""
 
     def __post_init__(self):
-        self.dir = os.path.expanduser(self.dir)
+        self.dir = user_path(self.dir)
 
     def validate(self) -> None:
         _check(bool(self.dir.strip()), "run.dir", self.dir, "a non-empty path (an unset shell variable?)")

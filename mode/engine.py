@@ -101,11 +101,20 @@ class GuardedAdamW(torch.optim.AdamW):
     `_global_grad_norm`. Expert-parallel expert params (DeepSpeed MoE, `ep_size` ranks share one
     set of experts) differ per rank, so their squared norm is summed across ranks: one all-reduce
     of one number per step, and none without such params.
+
+    Expert params are known by their group's `moe` flag (`moe_param_groups`), and names by position
+    in the group: with bf16 at stage 0 DeepSpeed wraps this optimizer (FP16_UnfusedOptimizer) and
+    swaps each group's params for fp32 copies, in order, which lose per-parameter marks. Read by the
+    parameter's own mark, every param looked shared there: each rank clipped by a norm of its own
+    experts only, and the replicated weights drifted apart across ranks.
     """
 
     def __init__(self, params, *, clip: float, names: dict, ep_size: int = 1, **kw):
         super().__init__(params, **kw)
-        self.clip, self.names, self.ep_size = clip, names, ep_size
+        self.clip, self.ep_size = clip, ep_size
+        # the params the wrapper keeps (and copies) are the trainable, non-empty ones, in order
+        self.names = [[names.get(p, "?") for p in g["params"] if p.requires_grad and p.numel() > 0]
+                      for g in self.param_groups]
         self.overflow = False
         self._global_grad_norm = 0.0
         self.bad_params: list[str] = []
@@ -114,26 +123,42 @@ class GuardedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         import torch.distributed as dist
 
-        ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        shared = [p for p in ps if getattr(p, "allreduce", True)]
-        expert = [p for p in ps if not getattr(p, "allreduce", True)]
+        named = [(p, n, bool(g.get("moe"))) for g, ns in zip(self.param_groups, self.names)
+                 for p, n in zip(g["params"], ns) if p.grad is not None]
+        ps = [p for p, _, _ in named]
+        expert = [p for p, _, moe in named if moe]
         zero = torch.zeros((), device=ps[0].device) if ps else torch.zeros(())
         expert_sq = _sq_norm(expert, zero)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if expert and world > 1:  # every rank holds expert params or none: all take this branch or none
             dist.all_reduce(expert_sq)
             expert_sq = expert_sq / (world // max(1, self.ep_size))  # each expert has world/ep replicas
-        norm = (_sq_norm(shared, zero) + expert_sq).sqrt()
+        norm = (_sq_norm([p for p, _, moe in named if not moe], zero) + expert_sq).sqrt()
         self._global_grad_norm = norm.item()  # host sync: once per optimizer step
         self.overflow = not math.isfinite(self._global_grad_norm)
         if self.overflow:
-            self.bad_params = [self.names.get(p, "?") for p in ps if not torch.isfinite(p.grad).all()]
+            self.bad_params = [n for p, n, _ in named if not torch.isfinite(p.grad).all()]
             for p in ps:
                 p.grad = None
             return None
         if self.clip > 0 and self._global_grad_norm > self.clip:
             torch._foreach_mul_([p.grad for p in ps], self.clip / (self._global_grad_norm + 1e-6))
         return super().step(closure)
+
+
+def global_grad_norm(engine) -> float:
+    """The norm this step was clipped by. At stage 0 that is GuardedAdamW's, also when DeepSpeed
+    wraps it for bf16 (the wrapper's own norm leaves the expert params out)."""
+    opt = engine.optimizer
+    guard = opt if isinstance(opt, GuardedAdamW) else getattr(opt, "optimizer", None)
+    if isinstance(guard, GuardedAdamW) and not getattr(opt, "overflow", False):
+        return guard._global_grad_norm
+    return float(engine.get_global_grad_norm() or 0.0)
+
+
+def threshold_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The depth routers' calibrated-threshold state (value and update count), in module order."""
+    return [b for m in model.modules() if getattr(m, "has_threshold", False) for b in (m.threshold, m.threshold_updates)]
 
 
 def average_thresholds(model: torch.nn.Module) -> None:

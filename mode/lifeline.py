@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
 import sys
@@ -89,11 +90,18 @@ def die_with_launcher(poll_s: float = 1.0) -> bool:
 
 
 def use_venv_build_cache() -> None:
-    """Build torch/DeepSpeed extensions under this virtualenv (unless TORCH_EXTENSIONS_DIR is set).
-    The resolved path: checkouts reaching one virtualenv through a symlink (worktrees) share one
-    build instead of each rewriting its build.ninja with their own path (a rebuild every start)."""
-    if sys.prefix != sys.base_prefix:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
+    """Build torch/DeepSpeed extensions under this virtualenv (unless TORCH_EXTENSIONS_DIR is set),
+    one build per path the virtualenv is started by. DeepSpeed writes its source paths, under
+    sys.prefix as invoked, into build.ninja: checkouts reaching one virtualenv through a symlink
+    and sharing one build directory each found the other's paths there and rebuilt the op (minutes,
+    holding the lock every other start waits on) whenever their starts alternated."""
+    if sys.prefix == sys.base_prefix:
+        return
+    real = os.path.realpath(sys.prefix)
+    d = os.path.join(real, "torch_extensions")
+    if sys.prefix != real:  # reached through a symlink: its own build, named by the path
+        d = os.path.join(d, "via-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", d)
 
 
 def _in_use(lock: Path) -> bool:

@@ -57,10 +57,13 @@ class LayerPlan:
             return f"mod_split({base})" + ("+kv_all" if self.attn is not None and self.attn.kv == "all" else "")
         return base
 
-    def mlp_frac(self) -> float:
-        """Fraction of tokens the layer's MLP sees under top-k routing (capacity, not k/S)."""
+    def mlp_frac(self, seq_len: int) -> float:
+        """Fraction of a sequence's tokens the layer's MLP sees under top-k routing: k/S, the
+        capacity as rounded to whole tokens (0.125 of 100 tokens is 12 of them: capacity_k)."""
+        from mode.routing.depth import capacity_k
+
         r = self.block or self.mlp_route
-        return 1.0 if r is None else r.capacity
+        return 1.0 if r is None else capacity_k(r.capacity, seq_len) / seq_len
 
 
 def _per_layer(value, j: int) -> float:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from mode.checkpoint import CHECKPOINTS, checkpoints_dir
-from mode.config import ConfigError
+from mode.config import ConfigError, user_path
 
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
@@ -134,7 +134,7 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     Raises ConfigError (nothing written)."""
     if not str(path).strip():
         raise ConfigError(key, path, "a non-empty path (an unset shell variable?)")
-    d = Path(os.path.expanduser(path))
+    d = Path(user_path(path))
     if _is_within(Path.cwd().resolve(), d.resolve()) or d.resolve() == Path.home().resolve():
         raise ConfigError(key, path, "a directory that is neither the current directory, a parent of it nor the "
                                      "home directory (e.g. runs/NAME)")

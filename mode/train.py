@@ -347,6 +347,7 @@ class Trainer:
     def train_step(self, acc: Accumulator) -> None:
         t = self.cfg.train
         skipped_before = self.engine.skipped_steps
+        ema_before = [b.clone() for b in eng.threshold_buffers(self.model)]
         for micro in range(t.grad_accum):
             x, y = (b.to(self.dev) for b in self.data.train_batch(self.step, micro, t.micro_batch_size, t.grad_accum))
             out = self.engine(x, y)
@@ -354,16 +355,21 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             acc.add({"train/loss": out.loss, "train/aux_loss": out.aux_loss, **out.metrics})
+        skipped = self.engine.skipped_steps > skipped_before
+        if skipped:  # the thresholds' EMA stepped in the forward: undo it as DeepSpeed undid the weights'
+            for b, saved in zip(eng.threshold_buffers(self.model), ema_before):  # (a NaN would stay for good)
+                b.copy_(saved)
         eng.average_thresholds(self.model)
         self.step += 1
         self.tokens += self.tokens_per_step
-        self._check_nonfinite(self.engine.skipped_steps > skipped_before)
+        self._check_nonfinite(skipped)
 
     def _check_nonfinite(self, skipped: bool) -> None:
         self.consecutive_bad = self.consecutive_bad + 1 if skipped else 0
         t = self.cfg.train
         if skipped and (t.nonfinite == "stop" or self.consecutive_bad >= t.max_consecutive_nonfinite):
-            bad = getattr(self.opt, "bad_params", None) or ["(ZeRO: per-parameter detail not available)"]
+            bad = (getattr(self.opt, "bad_params", None)
+                   or ["(not recorded: with ZeRO or bf16, DeepSpeed checks the gradients itself)"])
             stats = "; ".join(f"{n}: |w|={p.detach().float().norm():.3g}"
                               for n, p in self.model.named_parameters() if n.endswith("weight") and p.dim() >= 2)
             raise NonFiniteError(f"non-finite loss or gradient at step {self.step} "
@@ -475,7 +481,7 @@ class Trainer:
                 self.elapsed_s += dt
                 tokens_per_s = self.tokens_per_step * steps_since / dt
                 vals.update({"train/lr": self.sched.get_last_lr()[0],
-                             "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                             "train/grad_norm": eng.global_grad_norm(self.engine),
                              "train/tokens": self.tokens, **self._seen(),
                              "train/skipped_steps": self.engine.skipped_steps,
                              "perf/step_time_s": dt / steps_since, "perf/tokens_per_s": tokens_per_s,

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 # DeepSpeed JIT-compiles its CPU comm op on first use. In the shared ~/.cache/torch_extensions every
 # virtualenv (another checkout, another path) rebuilds it and all wait on one lock; keep this
-# venv's build next to it, so that it is compiled once and then only loaded.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "torch_extensions"))
+# venv's build next to it, so that it is compiled once and then only loaded: the rule every
+# `mode` process applies (mode/lifeline.py), for the tests that build a DeepSpeed world in-process.
+if sys.prefix != sys.base_prefix:
+    from mode.lifeline import use_venv_build_cache
+
+    use_venv_build_cache()
+else:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "torch_extensions"))
 
 
 def pytest_configure(config):

@@ -543,6 +543,11 @@ def test_processed_fraction_from_logs_reads_the_layer_plan():
                                                     {"moe/layer2/engaged_frac": 0.9}))
     assert staged.tolist() == [1.0, 1.0, 0.45, 1.0]
     assert report.processed_frac_from_logs(tb.RunLog(Path("/x"), "v", 0)) is None  # no config: no guess
+    # Bug caught: the nominal capacity was reported, not the k/S the block computes (0.125 of 100
+    # tokens is 12 of them, as capacity_k rounds; routing.pt's fraction, measured, said 0.12)
+    odd = run_of({"layers": [1], "capacity": 0.125})
+    odd.config["data"] = {"seq_len": 100}
+    assert report.processed_frac_from_logs(odd).tolist() == [1.0, 0.12, 1.0, 1.0]
 
 
 def test_isoflop_curves_are_the_runs_that_differ_only_in_size_and_steps():

@@ -85,8 +85,8 @@ SCRIPT = textwrap.dedent('''
     nan = float("nan")
     current = lambda: t.step + 1  # the step being computed (TensorBoard numbering)
 
-    # non-finite loss: the last block's output becomes NaN
-    t.model.blocks[-1].register_forward_hook(
+    # non-finite loss: a block's output (the last one's unless nan_block says) becomes NaN
+    t.model.blocks[a.get("nan_block", -1)].register_forward_hook(
         lambda m, i, out: out * nan if m.training and current() in a.get("nan_forward", []) else None)
     # non-finite gradient only (finite loss): one weight's gradient becomes NaN
     w = dict(t.model.named_parameters())["blocks.0.mlp.mlp.w_in.weight"]
@@ -103,13 +103,14 @@ SCRIPT = textwrap.dedent('''
 
     change = {}
     train_step = t.train_step
+    state = lambda: {**dict(t.model.named_parameters()), **dict(t.model.named_buffers())}  # thresholds are buffers
     def watched(acc):
         s = current()
-        before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in state().items()}
         try:
             train_step(acc)
         finally:
-            change[s] = max((p.detach() - before[n]).abs().max().item() for n, p in t.model.named_parameters())
+            change[s] = max((p.detach() - before[n]).abs().max().item() for n, p in state().items())
     t.train_step = watched
 
     out = {"error": None}
@@ -118,7 +119,7 @@ SCRIPT = textwrap.dedent('''
     except NonFiniteError as e:
         out["error"] = str(e)
     out.update(change=change, skipped=t.engine.skipped_steps, step=t.step,
-               finite=all(bool(torch.isfinite(p).all()) for p in t.model.parameters()))
+               finite=all(bool(torch.isfinite(p).all()) for p in state().values()))
     print("RESULT " + json.dumps(out), flush=True)
 ''')
 
@@ -189,7 +190,10 @@ NF = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "ch
 
 # The four runs below are independent: a module fixture starts them two at a time, side by side.
 NF_CASES = {
-    "skip_zero0": {"nan_forward": [3], "nan_grad": [6], "overrides": ["deepspeed.zero_stage=0"]},
+    # the MoD model with a calibrated threshold: the NaN reaches layer 1's router, whose EMA steps in
+    # the forward (bug caught: a skipped step left it NaN for good, and moved it even when finite)
+    "skip_zero0": {"nan_forward": [3], "nan_block": 0, "nan_grad": [6], "config": "configs/tiny/mod.yaml",
+                   "overrides": ["deepspeed.zero_stage=0", "model.mod.causal=threshold"]},
     "skip_zero2": {"nan_forward": [3], "nan_grad": [6], "overrides": ["deepspeed.zero_stage=2"]},
     "stop": {"nan_grad": [3], "overrides": ["train.nonfinite=stop"]},
     "too_many": {"nan_forward": [3, 4, 5], "overrides": ["train.max_consecutive_nonfinite=3"]},
@@ -204,7 +208,7 @@ def nonfinite(tmp_path_factory):
     def case(name):
         d = root / name
         d.mkdir()
-        args = dict(NF_CASES[name], config=CFG, overrides=[*NF, *NF_CASES[name]["overrides"], f"run.dir={d / 'run'}"])
+        args = dict({"config": CFG, **NF_CASES[name]}, overrides=[*NF, *NF_CASES[name]["overrides"], f"run.dir={d / 'run'}"])
         return d / "run", run_script(d, args, threads=1)
 
     return dict(zip(NF_CASES, side_by_side(*(lambda n=n: case(n) for n in NF_CASES))))

@@ -76,3 +76,57 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     assert scalars(tmp_path / "ep2", tag)
     ca, cb = scalars(tmp_path / "one", "eval/loss_causal"), scalars(tmp_path / "ep2", "eval/loss_causal")
     assert list(ca) == list(cb) == [0, 4] and cb[4] == pytest.approx(ca[4], rel=1e-5), (ca, cb)
+
+
+def _two_rank_bf16_expert_clip(rank, port, out):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from mode import engine as eng
+    from mode.config import load_config
+    from mode.model import build_model
+
+    eng.init_distributed()
+    cfg = load_config(CFG, [*MOE, "model.moe.ep_size=2", "deepspeed.precision=bf16", "deepspeed.zero_stage=0",
+                            "optim.grad_clip=0.01", "optim.warmup_steps=1"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    engine, opt, _ = eng.build_engine(cfg, model, 2)
+    torch.manual_seed(1 + rank)  # each rank its own batch, so each rank's experts get other gradients
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
+    norms = []
+    for _ in range(2):
+        o = engine(x[:, :-1], x[:, 1:])
+        engine.backward(o.loss + o.aux_loss)
+        engine.step()
+        norms.append(eng.global_grad_norm(engine))
+    shared = torch.cat([p.detach().float().flatten() for p in model.parameters() if getattr(p, "allreduce", True)])
+    both = [torch.empty_like(shared) for _ in range(2)]
+    dist.all_gather(both, shared)
+    out.put((rank, type(opt).__name__, norms, torch.equal(both[0], both[1])))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bf16_stage0_clips_expert_parallel_ranks_by_one_global_norm():
+    """bf16 at ZeRO 0: DeepSpeed wraps GuardedAdamW (FP16_UnfusedOptimizer) and hands it fp32 copies
+    of the params. Bug caught: the copies lost the experts' `allreduce=False` mark, every param
+    looked shared, each rank clipped by a norm over its own experts only, and the replicated
+    weights differed across ranks after the first clipped step. Both ranks must report one global
+    norm and hold identical shared weights."""
+    import torch.multiprocessing as mp
+
+    from tests.util import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_two_rank_bf16_expert_clip, args=(free_port(), q), nprocs=2, start_method="spawn")
+    res = sorted(q.get(timeout=120) for _ in range(2))
+    assert res[0][1] == "FP16_UnfusedOptimizer"  # the wrapped path this test is about
+    assert res[0][2] == res[1][2] and all(n > 0.01 for n in res[0][2]), res  # one global norm; clipping applies
+    assert res[0][3] and res[1][3], res

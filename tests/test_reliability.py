@@ -110,6 +110,24 @@ def test_a_refused_run_dir_is_refused_before_the_data_is_prepared(tmp_path):
     assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
 
 
+def test_a_run_dir_through_dot_dot_is_checked_as_the_directory_it_names(tmp_path):
+    """Bug caught: `run.dir=notes/x/..` was checked as a directory that does not exist (every check
+    skipped), then DirLock made `x` and the run overwrote notes/config.yaml; the same path on an
+    existing run resumed it under a changed config. The path is folded before any check."""
+    from mode.config import ConfigError, load_config
+    from mode.train import preflight
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "config.yaml").write_text("my own config: keep")
+    for through in (f"{notes}/x/..", f"{notes}/./x/y/../../"):
+        cfg = load_config(CFG, [*TINY, f"run.dir={through}", f"data.prepared_dir={tmp_path / 'p' / '..' / 'prep'}"])
+        assert cfg.run.dir == str(notes) and cfg.data.prepared_dir == str(tmp_path / "prep")
+        with pytest.raises(ConfigError, match="config.yaml"):
+            preflight(cfg)
+    assert sorted(p.name for p in notes.iterdir()) == ["config.yaml"] and not (tmp_path / "prep").exists()
+
+
 def test_fresh_empties_only_a_mode_run(tmp_path):
     from mode import rundir
 

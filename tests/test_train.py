@@ -177,8 +177,13 @@ def _params_with_grads(seed: int, dtype):
     ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
     for p in ps:
         p.grad = (3 * torch.randn(p.shape, generator=g)).to(dtype)
-    ps[2].allreduce = False  # an expert-parallel parameter: its norm goes through the expert path
     return ps
+
+
+def _groups(ps: list) -> list[dict]:
+    """ps[2] as an expert-parallel parameter (its group flagged as moe_param_groups does): its norm
+    goes through the expert path."""
+    return [{"params": ps[:2]}, {"params": ps[2:3], "moe": True}, {"params": ps[3:]}]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
@@ -194,7 +199,7 @@ def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype, fused):
     dt = getattr(torch, dtype)
     ps, ref = _params_with_grads(0, dt), _params_with_grads(0, torch.float64)
     norm64 = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in _params_with_grads(0, dt))))
-    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={}, lr=0.1, weight_decay=0.0, fused=fused)
+    opt = GuardedAdamW(_groups(ps), clip=1.0, names={}, lr=0.1, weight_decay=0.0, fused=fused)
     opt.step()
     assert not opt.overflow and abs(opt._global_grad_norm - norm64) <= 1e-6 * norm64
     assert norm64 > 1.0  # so the clip applies
@@ -215,7 +220,7 @@ def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
     ps = _params_with_grads(1, torch.float32)
     ps[1].grad[2] = float("nan")
     before = [p.detach().clone() for p in ps]
-    opt = GuardedAdamW([{"params": ps}], clip=1.0, names={ps[1]: "blocks.0.norm.weight"}, lr=0.1)
+    opt = GuardedAdamW(_groups(ps), clip=1.0, names={ps[1]: "blocks.0.norm.weight"}, lr=0.1)
     opt.step()
     assert opt.overflow and opt.bad_params == ["blocks.0.norm.weight"]
     assert all(p.grad is None for p in ps) and all(torch.equal(p, b) for p, b in zip(ps, before))
