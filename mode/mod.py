@@ -85,9 +85,10 @@ class MoDBlock(nn.Module):
             K = int(count_B.max())  # host sync: the ragged width is data-dependent
             self.aux_loss = None
             self.metrics = {"causal_processed_frac": sel_BS.float().mean()}
-            if K == 0 and not (self.kv_all and ctx.cache is not None):  # (a K/V-from-all prefill still writes K/V)
-                self.last_selected_BS = self.last_engaged_BS = sel_BS
-                return torch.zeros_like(x_BSD)
+            # Nothing selected: the inner unit still runs, on one padding slot per row. Each rank
+            # selects on its own, and an expert-parallel MoE inside holds collectives that every
+            # rank must join (a rank that skipped it hung the others); a K/V-from-all prefill
+            # still writes K/V.
             K = max(K, 1)
             # Selected positions first, in position order (stable sort); the tail is padding.
             idx_BK = torch.sort((~sel_BS).to(torch.uint8), dim=1, stable=True).indices[:, :K]

@@ -358,3 +358,36 @@ def test_presets(path):
     m = cfg.model.mod
     assert (m.layers, m.capacity, m.causal, m.routing) == ("every_other", 0.125, "predictor", "learned")
     assert cfg.run.dir.endswith("/mod")
+
+
+def test_causal_routing_that_selects_nothing_still_runs_the_inner_unit():
+    """Bug caught: a batch in which causal routing selected no token returned before calling the
+    inner unit. Ranks select on their own, and an expert-parallel MoE inside (DeepSpeed's
+    all-to-all, the capacity all-reduce) holds collectives every rank must join: the rank that
+    skipped hung the others at eval/loss_causal. The unit runs on padding slots that add nothing
+    (the update is exactly zero), and the LM does not report a unit's metrics from an earlier call."""
+    blk = mod_block(causal="none")
+    torch.nn.init.constant_(blk.router.router.bias, -100.0)  # r < 0 everywhere: nothing selected
+    calls = []
+    blk.inner.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
+    x, pos = inputs()
+    with torch.no_grad():
+        out = blk(x, Ctx(pos, routing="causal"))
+    assert calls == [(3, 1, D)] and torch.equal(out, torch.zeros_like(x))
+    assert not blk.last_selected_BS.any() and not blk.last_engaged_BS.any()
+
+    # the LM: a decoding step that selects no row skips the inner MoE, whose metrics still held
+    # the prefill's (reported again as this step's)
+    cfg = load_config("configs/tiny/mode_staged.yaml", ["model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                                                         "model.d_ff=64"])
+    torch.manual_seed(0)
+    lm = build_model(cfg.model).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    spread_causal(lm)
+    with torch.no_grad():
+        caches = lm.new_caches(2, 17)
+        assert "moe/layer1/load_mean" in lm(ids, routing="causal", caches=caches).metrics  # the prefill ran it
+        torch.nn.init.constant_(lm.blocks[1].router.predictor[2].bias, -100.0)  # the next token: none selected
+        step_out = lm(ids[:, :1], routing="causal", pos_BS=torch.full((2, 1), 16), caches=caches)
+    assert not lm.blocks[1].last_selected_BS.any()
+    assert not [k for k in step_out.metrics if k.startswith("moe/")], step_out.metrics

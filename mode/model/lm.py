@@ -138,6 +138,7 @@ class LM(nn.Module):
                 aux = aux + m.aux_loss
                 m.aux_loss = None  # hand the graph over: modules keep no autograd state between calls
             metrics.update({f"{m.tag}/{k}": v for k, v in m.metrics.items()})
+            m.metrics = {}  # a unit its MoD wrapper skips next time must not report this call's again
         loss = None
         if targets_BS is not None:
             loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
