@@ -19,17 +19,44 @@ import yaml
 from mode.config import Config, dump_config, flatten
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """On resume from step `step`: the rows the stopped process logged past its last checkpoint are
+    not the run's (the resumed run logs those steps again, or stops short of them, or logs others
+    under another log_every); removed, so that metrics.jsonl holds the uninterrupted run's series.
+    A torn last line (a kill mid-write) goes too; a line that does not parse is kept as it is.
+    TensorBoard's files are not rewritten: `mode analyze` drops those points by run_info.json's
+    `resumes`, TensorBoard's own view still shows them."""
+    from mode.rundir import write_atomic
+
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return
+    keep = [ln for ln in lines if ln.endswith("\n") and not _row_after(ln, step)]
+    if len(keep) != len(lines):
+        write_atomic(path, "".join(keep))
+
+
+def _row_after(line: str, step: int) -> bool:
+    try:
+        return json.loads(line)["step"] > step
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class Loggers:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool):
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int = 0):
         self.enabled, self.tb, self.wandb, self.jsonl, self.run_dir = enabled, None, None, None, run_dir
         if not enabled:
             return
+        if resumed_step:
+            drop_rows_after(run_dir / "metrics.jsonl", resumed_step)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"))
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends; readers keep the last line per step
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (past the rows it dropped)
         if cfg.log.wandb:
             import wandb  # optional extra: pip install -e '.[wandb]'
 

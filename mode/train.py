@@ -228,17 +228,34 @@ class Trainer:
         saved = preflight(cfg)  # every rank reads the saved config before rank 0 replaces it
         check_world(cfg, self.world)
         self._barrier()
-        self.lock = None
+        self.lock, made = None, []
         if self.rank == 0:
             was_run = rundir.is_mode_run(self.run_dir)  # before our LOCK makes any directory look like one
+            made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # innermost first
             self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
             if cfg.run.fresh and was_run:  # preflight refused any other non-empty directory
                 rundir.empty_run_dir(self.run_dir)
-            self._record_schedule_change(saved, cfg)  # before config.yaml forgets the old schedule
-            rundir.write_atomic(self.run_dir / "config.yaml", dump_config(cfg))
         self._barrier()
         self.ckpt_dir = ckpt.checkpoints_dir(self.run_dir)
+        try:
+            self._build(cfg, saved)
+        except BaseException:
+            if made:  # a start that never trained (out of memory building the model, ...) leaves no new
+                self.lock.release()  # run.dir behind: the corrected command would find it "in use" or
+                (self.run_dir / rundir.LOCK).unlink(missing_ok=True)  # another run's
+                for p in made:
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        break
+            raise
+        self.log = Loggers(cfg, self.run_dir, self.rank == 0, self.step)
+        self._log_start(cfg, saved)
 
+    def _build(self, cfg: Config, saved: dict | None) -> None:
+        """Model, engine, resume; then config.yaml (written only now: a start that fails before
+        this point leaves the run directory as it found it, and the corrected command is not
+        refused as "a run with a different config")."""
         torch.manual_seed(cfg.train.seed)  # identical init on every rank
         self.data = DataModule(cfg.data, self.rank, self.world)
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
@@ -251,24 +268,36 @@ class Trainer:
         self.prev_cfg = saved
         self.acc = Accumulator()  # metric sums not yet logged: checkpointed so the series survives a resume
         # measured before the resume restores the RNG states: nothing may draw from them in between
-        self.peak_tflops, peak_src = self._peak_tflops()
+        self.peak_tflops, self.peak_src = self._peak_tflops()
         self._resume()
-        self.log = Loggers(cfg, self.run_dir, self.rank == 0)
+        self.resumed = {"step": self.step, **self._seen(), "time": time.time()}  # before this start logs anything
+        if self.rank == 0:
+            self._record_schedule_change(saved, cfg)  # before config.yaml forgets the old schedule
+            rundir.write_atomic(self.run_dir / "config.yaml", dump_config(cfg))
+
+    def _log_start(self, cfg: Config, saved: dict | None) -> None:
         if self.rank == 0:
             params = sum(p.numel() for p in self.model.parameters())
             info = {"name": cfg.run.name or self.run_dir.name, "seed": cfg.train.seed, "params": params,
                     "active_params": console.active_params(cfg, params),
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
-                    "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_src}
+                    "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": self.peak_src}
             if os.environ.get("SLURM_JOB_ID"):  # the job that started this run (requeued_fresh_start)
                 info["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
             changes = self._saved_info().get("schedule_changes") if saved else None
             if changes:  # recorded by _record_schedule_change; kept across every later start
                 info["schedule_changes"] = changes
+            # every resume's point and time: what an earlier process logged past it, before it, is not
+            # this run's series (analysis/tb.py drops it; metrics.jsonl had it dropped above)
+            resumes = (self._saved_info().get("resumes") or []) if saved else []
+            if self.step:
+                resumes = [*resumes, self.resumed]
+            if resumes:
+                info["resumes"] = resumes
             rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
             self.log.log_config(cfg, {"run_info": info})
-            print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, peak_src),
+            print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, self.peak_src),
                                       self.step), flush=True)
             sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             if sched:

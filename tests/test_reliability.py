@@ -128,6 +128,19 @@ def test_a_run_dir_through_dot_dot_is_checked_as_the_directory_it_names(tmp_path
     assert sorted(p.name for p in notes.iterdir()) == ["config.yaml"] and not (tmp_path / "prep").exists()
 
 
+@pytest.mark.slow
+def test_a_start_that_fails_before_training_leaves_no_run_dir(tmp_path):
+    """Bug caught: a start that passed the pre-launch check and then failed building the model
+    (here: out of memory) left run.dir holding LOCK and config.yaml, and the corrected command
+    was refused as "a run with a different config"."""
+    d = tmp_path / "new" / "run"
+    r = train_1t(*TINY, "train.max_steps=2", "model.d_ff=100000000000", f"run.dir={d}", check=False)
+    assert r.returncode == 1 and len(one_line(r.stderr)) == 1, r.stderr[-3000:]
+    assert not (tmp_path / "new").exists()  # and the parent it made
+    train_1t(*TINY, "train.max_steps=2", "train.eval_every=0", f"run.dir={d}")  # the corrected command
+    assert (d / "DONE").exists()
+
+
 def test_fresh_empties_only_a_mode_run(tmp_path):
     from mode import rundir
 
@@ -1114,6 +1127,12 @@ def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how, st
     a, b = scalars(stopped_at_6 / "ref", "train/loss"), scalars(d, "train/loss")
     assert list(a) == [3, 6, 8] and a == b, (a, b)  # bit for bit, the step-6 mean included
     assert (ck / "step_00000006.bad").is_dir() and (d / "DONE").exists()
+    # Bug caught: metrics.jsonl kept the stopped process's step-6 row (logged past the checkpoint
+    # resumed from) beside the resumed run's; the resume point is recorded for TensorBoard's readers
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert len(logged) == len([r for r in rows if "train/loss" in r]) and logged == pytest.approx(a, rel=1e-6), rows
+    assert [r["step"] for r in json.loads((d / "run_info.json").read_text())["resumes"]] == [4]
 
 
 @pytest.mark.slow
