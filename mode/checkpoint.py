@@ -9,7 +9,8 @@ every other file.
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 hashes the files, writes the manifest
 atomically and renames the directory to `step_N/`. A checkpoint counts only if its manifest
 verifies: on resume a damaged, truncated, emptied or file-less newest checkpoint is reported in one
-line, moved aside to `step_N.bad`, and the newest one that verifies is used instead. A state with
+line, moved aside to `step_N.bad`, and the newest one that verifies is used instead; readers of the
+weights (`newest_weights`) apply the same rule and leave the run as it is. A state with
 non-finite weights or optimizer moments is never saved, and rotation (`checkpoint.keep`) only
 counts and deletes checkpoints with a manifest, keeping the newest, just-verified one.
 """
@@ -183,16 +184,25 @@ def newest_verified(root: Path, move_aside: bool = True, log=None) -> Path | Non
 
 def newest_weights(run_dir: str | os.PathLike, log=None) -> Path | None:
     """For reading weights only (sampling, `mode eval`, `mode export`): the newest checkpoint of a
-    run holding model.pt whose manifest verifies, or that has none (saved before manifests). A
-    damaged newer one is reported in one line and left in place: reading never changes a run."""
+    run holding model.pt that verifies, by resume's rule (`verify`: one without a manifest never
+    finished its save, whatever it holds). Each newer one that does not is reported in one line and
+    left in place: reading never changes a run. None when the run has no checkpoint with weights;
+    CheckpointError (one line) when it has some and none verifies."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    for d in reversed(step_dirs(checkpoints_dir(run_dir))):
-        if not (d / MODEL).is_file():
-            continue
-        problem = verify(d) if (d / MANIFEST).is_file() else None
+    dirs = step_dirs(checkpoints_dir(run_dir))[::-1]
+    skipped = []
+    for i, d in enumerate(dirs):
+        problem = verify(d)
         if problem is None:
-            return d
-        log(f"checkpoint {d} is unusable ({problem}); falling back to the previous one")
+            if (d / MODEL).is_file():
+                return d
+            continue  # intact, but DeepSpeed's files only (no model.pt): no weights to read here
+        skipped.append(d.name)
+        log(f"checkpoint {d} is unusable ({problem}); "
+            + ("falling back to the previous one" if i + 1 < len(dirs) else "and no earlier one is left"))
+    if skipped:
+        raise CheckpointError(f"no checkpoint of {run_dir} verifies ({', '.join(skipped)}: each reported above), "
+                              "so there are no weights to read")
     return None
 
 

@@ -269,9 +269,10 @@ def generate(model: LM, tokenizer, prompts: list[str], max_new_tokens: int, temp
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest complete checkpoint dir of a run holding model.pt whose manifest verifies (one without
-    a manifest predates manifests); mode/checkpoint.py `newest_weights`, which owns the layout. A
-    damaged newer one is reported in one line and skipped (left in place: sampling never changes a run)."""
+    """Newest checkpoint dir of a run holding model.pt that verifies (resume's rule: one without a
+    manifest never finished its save); mode/checkpoint.py `newest_weights`, which owns the layout. A
+    damaged newer one is reported in one line and skipped (left in place: sampling never changes a
+    run); CheckpointError when none verifies, None when the run has none."""
     from mode.checkpoint import newest_weights
 
     return newest_weights(run_dir)
@@ -282,7 +283,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     complete checkpoint's plain state_dict, model.pt: no DeepSpeed needed) or from a directory
     written by `mode export` (config.yaml, model.safetensors, tokenizer/). With `return_source`, the
     file the weights came from is returned fourth. A missing run or checkpoint is a ConfigError."""
-    from mode.checkpoint import MODEL, WEIGHTS_GLOB
+    from mode.checkpoint import MODEL, WEIGHTS_GLOB, CheckpointError
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
     from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
@@ -316,7 +317,10 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
             raise ConfigError("--run", str(run_dir), f"a run with a complete checkpoint ({WEIGHTS_GLOB}): "
                               "none yet; train it first")
         source = ckpt / MODEL
-        state = torch.load(source, map_location="cpu", weights_only=True)
+        try:  # it verified a moment ago: a failure now is a file changed since (or no state dict)
+            state = torch.load(source, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch's reader raises RuntimeError, EOFError, UnpicklingError
+            raise CheckpointError(f"cannot read {source}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         state = state.get("module", state) if isinstance(state, dict) else state
         state = {k.removeprefix("module."): v for k, v in state.items()}
         if cfg.model.moe.backend == "deepspeed":  # its layers need torch.distributed: sample with native

@@ -14,7 +14,7 @@ from mode.config import dump_config, load_config
 from mode.data import ByteTokenizer
 from mode.generate import load_run
 from mode.model import build_model
-from tests.util import HARNESS_SMALL, ROOT, TINY, deepspeed_train, fake_checkpoint, fake_run, scalars
+from tests.util import HARNESS_SMALL, ROOT, TINY, deepspeed_train, fake_checkpoint, fake_run, scalars, tiny_model
 
 TOK = ByteTokenizer()
 
@@ -145,6 +145,30 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and needle in err, err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
     assert (tmp_path / "taken" / "mine.txt").read_text() == "user data"
+
+
+def test_export_takes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    """Bug caught: a newer checkpoint without MANIFEST.json (resume: "its save never finished") was
+    exported unverified; now it is named in one line and the previous one, which verifies, exported."""
+    from mode import checkpoint as ckpt
+
+    model, run = fake_run(tmp_path, "mod")  # step 3
+    newer = fake_checkpoint(run, 5, tiny_model("mod", seed=2)[0].state_dict())
+    (newer / ckpt.MANIFEST).unlink()
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"checkpoint {newer} is unusable (no manifest: its save never finished)"), line
+    info = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert info["checkpoint"] == str((ckpt.step_dir(newer.parent, 3) / ckpt.MODEL).resolve()), info
+    ids = torch.tensor([[TOK.eos_id] + TOK.encode("x = 1").tolist()])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load_run(tmp_path / "out")[0](ids).logits)
+    (ckpt.step_dir(newer.parent, 3) / ckpt.MANIFEST).unlink()  # none left: one line, exit 1, nothing written
+    before = sorted(tmp_path.rglob("*"))
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and err[-1].startswith(f"error: no checkpoint of {run} verifies"), err
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 @pytest.mark.slow

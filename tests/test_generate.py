@@ -2,6 +2,8 @@
 
 Shape legend: B rows, T steps, V vocab.
 """
+import shutil
+
 import pytest
 import torch
 
@@ -118,3 +120,83 @@ def test_generate_text_and_load_run(tmp_path):
     assert load_run(tmp_path)[2].model == cfg.model
     texts = cli_generate(str(tmp_path), ["ab"], max_new_tokens=4, temperature=0.0, seed=0)
     assert texts == ["ab" + generate(model, tok, ["ab"], 4, temperature=0.0)[0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Which checkpoint the readers of weights (generate, eval, export: load_run) take: resume's rule.
+
+
+def damage(d, how: str) -> None:
+    """Damage checkpoint directory d as the bug reports found it."""
+    from mode import checkpoint as ckpt
+
+    if "no manifest" in how:
+        (d / ckpt.MANIFEST).unlink()
+    if "truncated" in how:
+        f = d / ckpt.MODEL
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def run_with_two_checkpoints(tmp_path):
+    """A run dir (config.yaml) with step 2 holding `good`'s weights and step 4 other weights;
+    returns (run dir, good, step 4's directory)."""
+    from tests.util import fake_checkpoint
+
+    good = tiny(seed=1)
+    cfg = Config(model=good.cfg)
+    cfg.data.seq_len = 32
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    fake_checkpoint(tmp_path, 2, good.state_dict())
+    return tmp_path, good, fake_checkpoint(tmp_path, 4, tiny(seed=2).state_dict())
+
+
+@pytest.mark.parametrize("how", ["no manifest", "truncated, no manifest", "truncated"])
+def test_readers_skip_a_newest_checkpoint_resume_would_not_use(tmp_path, capsys, how):
+    """Bugs caught: a checkpoint without MANIFEST.json (resume: "its save never finished") was read
+    unverified: its weights sampled with exit 0, or, truncated, `error: RuntimeError:
+    PytorchStreamReader failed reading zip archive` instead of falling back to the previous one."""
+    from mode import checkpoint as ckpt
+    from mode.cli import main
+
+    run, good, newest = run_with_two_checkpoints(tmp_path)
+    damage(newest, how)
+    before = sorted(p.name for p in newest.parent.iterdir())
+    loaded, tok, _ = load_run(run)
+    for (k, v), (k2, v2) in zip(good.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k  # step 2's weights
+    why = {"no manifest": "no manifest: its save never finished", "truncated, no manifest": "no manifest",
+           "truncated": "model.pt is"}[how]
+    assert ckpt.newest_verified(newest.parent, move_aside=False, log=lambda s: None) == ckpt.step_dir(newest.parent, 2)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"=== [0] 4 tokens ===\nab{generate(good, tok, ['ab'], 4, temperature=0.0)[0]}\n"
+    [line] = err.strip().splitlines()  # one line: which checkpoint was skipped and why
+    assert line.startswith(f"checkpoint {newest} is unusable ({why}") and "falling back" in line, line
+    assert sorted(p.name for p in newest.parent.iterdir()) == before  # reading never changes a run
+
+
+def test_readers_with_no_checkpoint_that_verifies_say_so_in_one_line(tmp_path, capsys):
+    """Every checkpoint damaged: one line per skipped checkpoint, then `error: ...` (exit 1, as any
+    runtime fault), not a traceback and not a sample from unverified weights."""
+    from mode import checkpoint as ckpt
+    from mode.cli import main
+
+    run, _, newest = run_with_two_checkpoints(tmp_path)
+    damage(newest, "truncated")
+    damage(ckpt.step_dir(newest.parent, 2), "no manifest")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint of .* verifies"):
+        load_run(run)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "ab", "--max-new-tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 3, lines
+    assert "step_00000004 is unusable (model.pt is" in lines[0] and "falling back" in lines[0], lines
+    assert "step_00000002 is unusable (no manifest" in lines[1] and "no earlier one is left" in lines[1], lines
+    assert lines[2] == (f"error: no checkpoint of {run} verifies (step_00000004, step_00000002: each reported "
+                        "above), so there are no weights to read"), lines
+    for step in (2, 4):  # a run with no checkpoint at all is still bad input (exit 2), as before
+        shutil.rmtree(ckpt.step_dir(newest.parent, step))
+    assert main(["generate", "--run", str(run), "--prompt", "ab"]) == 2
+    assert "none yet; train it first" in capsys.readouterr().err

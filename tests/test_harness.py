@@ -178,6 +178,30 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 
+def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    """Bug caught: `mode eval` scored a newer checkpoint without MANIFEST.json (resume: "its save
+    never finished") unverified; with none that verifies it is one line, exit 1, nothing written."""
+    from mode import checkpoint as ckpt
+    from tests.util import fake_checkpoint
+
+    model, run = fake_run(tmp_path, "mod")  # step 3
+    newer = fake_checkpoint(run, 5, tiny_model("mod", seed=2)[0].state_dict())
+    (newer / ckpt.MANIFEST).unlink()
+    lm = ModeLM(run=str(run), device="cpu")
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"checkpoint {newer} is unusable (no manifest: its save never finished)"), line
+    assert lm.source == ckpt.step_dir(newer.parent, 3) / ckpt.MODEL
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), lm.scorer.model.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    (lm.source.parent / ckpt.MANIFEST).unlink()
+    before = sorted(tmp_path.rglob("*"))
+    assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path",
+                     str(ROOT / "configs/eval")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and err[-1].startswith(f"error: no checkpoint of {run} verifies"), err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def _json_task(name: str, data) -> str:
     """The shipped stdlib_ppl task as a plain `dataset_path: json` YAML reading `data`."""
     y = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text().replace("task: stdlib_ppl", f"task: {name}")

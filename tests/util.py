@@ -110,8 +110,8 @@ def scalars(run_dir, tag: str) -> dict[int, float]:
 
 
 def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
-    """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt only, no manifest:
-    as saved before manifests), placed where mode/checkpoint.py says; returns its directory."""
+    """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt and the manifest
+    that makes it count, no DeepSpeed files), placed where mode/checkpoint.py says; returns its directory."""
     import torch
 
     from mode import checkpoint as ckpt
@@ -119,6 +119,7 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
     d = ckpt.step_dir(ckpt.checkpoints_dir(run_dir), step)
     d.mkdir(parents=True)
     torch.save(state_dict, d / ckpt.MODEL)
+    ckpt.write_manifest(d, step)
     return d
 
 
