@@ -5,16 +5,18 @@ DIR holds `model.safetensors` (weights only, no pickle), the resolved `config.ya
 run's EOS token pinned in the config; the byte tokenizer needs no file) and
 `export.json` (where it came from). `load_run`, `mode generate` and `mode eval` read DIR like a run
 directory. The export is written into a sibling temporary directory and renamed into place, so a
-failure leaves no half-written DIR.
+failure leaves no half-written DIR; one that is the disk's (full, read-only) is one line naming DIR and the cause.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
 
+from mode.checkpoint import CheckpointError
 from mode.portable import TOKENIZER_DIR, WEIGHTS, save_weights
 
 
@@ -61,10 +63,28 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
             if out.exists():
                 out.rmdir()  # empty (checked above); rmdir refuses if something appeared since
             tmp.rename(out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            io = _io_error(e)
+            if io is None:
+                raise
+            from mode.checkpoint import io_cause  # after the cleanup: the free space a rerun would find
+
+            raise ExportError(f"cannot write {out}: {io_cause(io, tmp / WEIGHTS)}; nothing was left there") from e
     return out
+
+
+class ExportError(CheckpointError):
+    """The export could not be written (disk full, read-only, permissions): one line, exit 1."""
+
+
+def _io_error(e: BaseException) -> OSError | None:
+    """The I/O failure behind e: itself, or the OS error a safetensors writer names only in its text
+    ("I/O error: No space left on device (os error 28)"); None for anything else."""
+    if isinstance(e, OSError):
+        return e
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(m[1]), os.strerror(int(m[1]))) if m else None
 
 
 def main(argv=None) -> int:

@@ -171,6 +171,57 @@ def test_export_takes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_export_to_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    """Bug caught: safetensors reports a full disk as its own error type, with the OS error only in
+    its text: `error: SafetensorError: Error while serializing: I/O error: No space left on device
+    (os error 28) (run again with --debug for the traceback)`."""
+    from safetensors import SafetensorError
+
+    from mode import export as ex
+
+    _, run = fake_run(tmp_path, "dense")
+
+    def full(model, path):
+        Path(path).write_bytes(b"part")  # what a writer leaves before the disk fills
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ex, "save_weights", full)
+    out = tmp_path / "new" / "out"
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write {out}: no space left on device"), err
+    assert len(err.splitlines()) == 1 and "SafetensorError" not in err and "--debug" not in err, err
+    assert not (tmp_path / "new").exists()  # no temporary directory, no parent made for it
+
+    def unrelated(model, path):  # anything else is not blamed on the disk
+        raise SafetensorError("Error while serializing: the tensors share memory")
+
+    monkeypatch.setattr(ex, "save_weights", unrelated)
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 1
+    assert "SafetensorError: Error while serializing: the tensors share memory" in capsys.readouterr().err
+
+
+def test_export_to_a_real_full_disk_is_one_line(tmp_path, capsys):
+    """The same on a real full file system (a 64 KiB tmpfs; needs mount rights, else skipped)."""
+    import subprocess
+
+    _, run = fake_run(tmp_path, "dense")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        code = cli_main(["export", "--run", str(run), "--out", str(disk / "out")])
+        left = sorted(p.name for p in disk.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: cannot write {disk / 'out'}: no space left on device ("), err
+    assert f"MiB free on the filesystem of {disk})" in err and left == [], (err, left)
+
+
 @pytest.mark.slow
 def test_an_expert_parallel_deepspeed_run_exports_every_expert(tmp_path):
     """The cluster MoE preset trains with model.moe.backend=deepspeed and expert parallelism.
