@@ -3,7 +3,8 @@ budget, final eval loss against model size; the best size per variant is where t
 lowest, taken from a parabola fitted in log10(params) when three or more sizes exist.
 
 A run's budget is 3 x forward FLOPs/token x tokens/step x train.max_steps (what it was
-configured to spend, so runs still in progress are grouped correctly). Runs are grouped by
+configured to spend, so runs still in progress are grouped correctly); its loss is the eval loss at
+train.max_steps, so a run stopped early or still running is no point (listed apart). Runs are grouped by
 the nearest budget named in the experiment YAML (its top-level `budgets:`, read by
 `parse_budgets` for `mode compare` and `mode analyze --experiment` alike), or else by clustering
 budgets within a relative tolerance (the sizing rounds model shapes, so budgets match only
@@ -149,14 +150,29 @@ class Optimum:
     method: str  # "parabola" (fit in log10 params) or "observed" (fewer than 3 sizes / no interior minimum)
 
 
-def collect_points(runs: list[RunLog], budgets: list[float] | None = None, rtol: float = 0.25) -> list[SizePoint]:
+def final_eval_loss(run: RunLog) -> float | None:
+    """eval/loss at the run's train.max_steps (the trainer always evaluates there), or the last one
+    of a finished run (DONE); None for a run stopped early (train.stop_at) or still running: its
+    loss is not the loss at its budget."""
+    steps = run.cfg("train.max_steps")
+    pts = [p for p in run.scalars.get("eval/loss", []) if p.step == steps]
+    return pts[-1].value if pts else run.last("eval/loss") if run.done else None
+
+
+def collect_points(runs: list[RunLog], budgets: list[float] | None = None, rtol: float = 0.25,
+                   unfinished: list[RunLog] | None = None) -> list[SizePoint]:
+    """Mean final eval loss per (curve, budget, size). Only runs evaluated at their train.max_steps (or
+    DONE) count; the others, which have a budget and an eval loss, are appended to `unfinished`."""
     usable = [(r, training_budget(r)) for r in runs]
     usable = [(r, b) for r, b in usable if b and r.last("eval/loss") is not None and r.info.get("params")]
+    if unfinished is not None:
+        unfinished += [r for r, _ in usable if final_eval_loss(r) is None]
+    usable = [(r, b) for r, b in usable if final_eval_loss(r) is not None]
     labels = assign_budgets([b for _, b in usable], budgets, rtol)
     curve = curve_names([r for r, _ in usable])
     acc: dict[tuple[str, float, float], list[float]] = {}
     for (r, _), label in zip(usable, labels):
-        acc.setdefault((curve[r.variant], label, float(r.info["params"])), []).append(r.last("eval/loss"))
+        acc.setdefault((curve[r.variant], label, float(r.info["params"])), []).append(final_eval_loss(r))
     return sorted((SizePoint(v, b, p, float(np.mean(ls)), len(ls)) for (v, b, p), ls in acc.items()),
                   key=lambda s: (variant_sort_key(s.variant), s.budget, s.params))
 
@@ -271,7 +287,8 @@ def is_isoflop_grid(points: list[SizePoint]) -> bool:
 
 def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
     """Markdown lines (and isoflop.png) when the runs form an isoFLOP grid, else []."""
-    points = collect_points(runs, budgets)
+    unfinished: list[RunLog] = []
+    points = collect_points(runs, budgets, unfinished=unfinished)
     if not is_isoflop_grid(points):
         return []
     opts = optima(points)
@@ -285,6 +302,10 @@ def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | No
              "", f"![isoFLOP]({fig.name})", "", "| variant | budget (FLOPs) | optimal params | loss | method |",
              "|---|---|---|---|---|"]
     lines += [f"| `{o.variant}` | {o.budget:.3g} | {o.params:.3g} | {o.loss:.4f} | {o.method} |" for o in opts]
+    if unfinished:
+        lines += ["", "Left out, not evaluated at their `train.max_steps` yet (stopped early or still running): "
+                  + ", ".join(f"`{r.name}` (eval step {r.last_step('eval/loss')} of {r.cfg('train.max_steps')})"
+                              for r in unfinished) + "."]
     for v in dict.fromkeys(o.variant for o in opts):
         law = scaling_law(opts, v)
         if law:

@@ -21,12 +21,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import quote
 
 import numpy as np
 
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
-from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, forward_flops_per_token, group_by_variant, load_runs,
-                         skipped_line, variant_colors, variant_sort_key)
+from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, damaged_line, forward_flops_per_token, group_by_variant,
+                         load_runs, skipped_line, variant_colors, variant_sort_key)
 from mode.console import si
 
 
@@ -68,14 +69,47 @@ DEPTH_PREFIXES = ("mod", "mod_attn", "mod_mlp")  # whole-block routers, decouple
 
 
 def causal_routing_acc(run: RunLog) -> float | None:
-    """How often the causal rule agrees with top-k membership: the predictor's accuracy, or,
-    for routers trained with the aux loss only (no predictor), the router's own sign rule;
-    the mean over every depth router (whole-block or decoupled)."""
-    for name in ("predictor_acc", "router_causal_acc"):
+    """How often the causal rule agrees with top-k membership, the rule the run decides by at
+    sampling time (mode/routing/depth.py): the predictor's accuracy; for `causal=threshold` the
+    learned threshold's (`threshold_acc`; its router's r > 0 is not the rule it samples with);
+    else, for routers trained with the aux loss only, the router's own sign rule. The mean over
+    every depth router (whole-block or decoupled)."""
+    for name in ("predictor_acc", "threshold_acc", "router_causal_acc"):
         accs = [a for a in (layer_mean_of_last(run, p, name) for p in DEPTH_PREFIXES) if a is not None]
         if accs:
             return float(np.mean(accs))
     return None
+
+
+def expert_work_vs_budget(run: RunLog) -> float | None:
+    """Expert rows computed per token over the rows its FLOPs budget counts (mode/moe/base.py cost:
+    min(E, top_k * min(1, capacity_factor))), the mean over MoE layers of the last training log.
+    Computed rows are the kept routes, top_k * `load_mean`: drops and no-op routes leave budget unused."""
+    from mode.config import MoEConfig
+
+    moe, load = run.cfg("model.moe"), layer_mean_of_last(run, "moe", "load_mean")
+    if not isinstance(moe, dict) or load is None:
+        return None
+    k, e, cf = (moe.get(n, getattr(MoEConfig, n)) for n in ("top_k", "num_experts", "capacity_factor"))
+    return load * k / min(e, k * (1.0 if cf is None else min(1.0, cf)))
+
+
+def causal_lifts_capacity(run: RunLog) -> bool:
+    """Whether the run's MoE layers evaluate under causal routing at another capacity than under
+    top-k: eval/loss_causal uses inference_capacity_factor (null: dropless, mode/routing/experts.py),
+    eval/loss eval_capacity_factor (null: capacity_factor). Then `causal − top-k` holds that change:
+    for a dropping MoE, dropless minus dropping."""
+    from mode.config import MoEConfig
+
+    moe = run.cfg("model.moe")
+    if not isinstance(moe, dict) or not run.layer_tags("moe"):
+        return False
+    cf = moe.get("capacity_factor", MoEConfig.capacity_factor)
+    topk_cf = moe["eval_capacity_factor"] if moe.get("eval_capacity_factor") is not None else cf
+    return moe.get("inference_capacity_factor") != topk_cf
+
+
+CAPACITY_MARK = "†"  # on the causal-routing cells of variants for which causal_lifts_capacity
 
 
 def causal_gap(run: RunLog, step: int | None = None) -> float | None:
@@ -115,6 +149,7 @@ METRICS: list[Metric] = [
     Metric("dropped_tokens_frac", "dropped tokens", lambda r: layer_mean_of_last(r, "moe", "dropped_tokens_frac"),
            lambda x: f"{x:.2%}"),
     Metric("noop_frac", "no-op", lambda r: layer_mean_of_last(r, "moe", "noop_frac"), lambda x: f"{x:.2%}"),
+    Metric("expert_work", "expert work / budget", expert_work_vs_budget, lambda x: f"{x:.1%}"),
     Metric("predictor_acc", "predictor acc", lambda r: causal_routing_acc(r), lambda x: f"{x:.2%}"),
 ]
 
@@ -163,7 +198,8 @@ def variant_table(runs: list[RunLog]) -> dict[str, dict]:
         ends = [s for s in (r.last_step("eval/loss") for r in vruns) if s is not None]
         eval_step = min(ends) if ends else None
         summaries = [run_summary(r, eval_step) for r in vruns]
-        row: dict = {"seeds": [r.seed for r in vruns], "eval_step": eval_step, "runs": summaries}
+        row: dict = {"seeds": [r.seed for r in vruns], "eval_step": eval_step, "runs": summaries,
+                     "causal_lifts_capacity": any(causal_lifts_capacity(r) for r in vruns)}
         for m in METRICS:
             row[m.key] = aggregate([s[m.key] for s in summaries])
         table[variant] = row
@@ -177,7 +213,9 @@ def table_markdown(table: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
         cells = [f"`{variant}`", str(len(row["seeds"])), "—" if row["eval_step"] is None else str(row["eval_step"])]
-        cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant) for m in metrics]
+        cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant)
+                  + (f" {CAPACITY_MARK}" if m.key in ("eval_loss_causal", "causal_gap") and row["causal_lifts_capacity"]
+                     else "") for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -448,8 +486,9 @@ def _routing_section(runs: list[RunLog], out_dir: Path) -> list[str]:
                   "| blocks engaged | tokens | mean entropy (nats) | std |", "|---|---|---|---|"]
         lines += [f"| {k} | {n} | {m:.3f} | {s:.3f} |" for k, n, m, s in stats.bins]
         text = rt.window_text(dump, 0, 0, width).replace("```", "'''")
-        lines += ["", f"![]({scatter.name})", "", f"Sample sequence (row 0, first {width} tokens):", "",
-                  "```text", text, "```", "", f"![]({heat.name})", ""]
+        # a variant name may hold `#` (`dense#2`) or other URL syntax: percent-encoded in the link
+        lines += ["", f"![]({quote(scatter.name)})", "", f"Sample sequence (row 0, first {width} tokens):", "",
+                  "```text", text, "```", "", f"![]({quote(heat.name)})", ""]
     return lines
 
 
@@ -476,6 +515,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     check_report_dir(out_dir, "out_dir")  # never a user's report.md (ConfigError, nothing written)
     if skipped:
         print(skipped_line(skipped), file=sys.stderr)
+    damaged = [d for r in runs for d in r.damaged]
+    if damaged:
+        print(damaged_line(damaged), file=sys.stderr)
     make_report_dir(out_dir)
     import matplotlib
 
@@ -490,6 +532,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         lines += [f"**Left out** ({len(skipped)} run(s) whose config.yaml is unreadable, so which variant they "
                   "are seeds of is unknown): " + "; ".join(f"`{_rel(p, runs_dir)}` ({why})" for p, why in skipped)
                   + ".", ""]
+    if damaged:  # on stderr too: points missing from a run's curves and table are never silent
+        lines += [f"**Damaged event files** ({len(damaged)}, records lost from the middle): "
+                  + "; ".join(damaged) + ".", ""]
 
     split: dict[str, list[RunLog]] = {}
     for r in sorted((r for r in runs if r.config_diff), key=lambda r: (variant_sort_key(r.variant), str(r.path))):
@@ -507,9 +552,16 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
               "stopped early is not averaged with the others' later losses); tokens/s and step time are "
               "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
-              "layers (predictor acc: of the causal predictor, or of the router's sign rule without one). "
+              "layers (predictor acc: of the causal predictor, of the learned threshold (`causal=threshold`), "
+              "or of the router's sign rule without either). "
               "`causal − top-k` is the eval loss under causal (sampling-time) routing minus the eval loss under "
-              "top-k routing. MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "
+              f"top-k routing; {CAPACITY_MARK}: under causal routing these variants' MoE layers also run at another "
+              "capacity (`model.moe.inference_capacity_factor`, null: dropless) than under top-k, so for a dropping "
+              "MoE the gap is dropless minus dropping, not a routing-causality gap (for MoDE, both at once). "
+              "Variants are compared at budgeted FLOPs (experts counted at capacity); expert work / budget is the "
+              "expert rows computed (top_k × `moe/layerN/load_mean`, last log, mean over MoE layers) over the rows "
+              "budgeted: below 100% where drops and no-op routes leave budgeted capacity unused. "
+              "MFU: median of perf/mfu (training FLOPs = 3 × forward, against the peak in "
               "run_info.json); peak mem: the largest perf/memory_gb logged (each process of a resumed run "
               "measures its own peak).", ""]
     over = [r for r in runs if (median_after_warmup(r, "perf/mfu") or 0.0) > 1.0]

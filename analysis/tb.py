@@ -1,14 +1,21 @@
 """Read the scalars of many runs from their TensorBoard event files.
 
-Uses the tensorboard package's own record reader (`EventFileLoader`), not EventAccumulator:
-the accumulator reservoir-samples long series (it keeps 10k scalars per tag by default) and
-its "purge orphaned data" rule drops steps on restart, while we want every logged point and a
-precise merge rule for resumed runs:
+Reads the records itself (tensorboard's own Event protos and compat layers), not through
+EventAccumulator: the accumulator reservoir-samples long series (it keeps 10k scalars per tag by
+default), and tensorboard's loader stops at the first damaged record, dropping the rest of the
+file without a word. Merge rules for resumed runs:
 
-- a resumed run appends new event files to the same tb/ directory and may re-log steps that
-  were already logged before the interruption: per (tag, step) the point with the latest
-  wall time wins (ties: the later file / later record);
-- an in-progress run may end in a half-written record: the loader stops there silently;
+- a resumed run appends new event files to the same tb/ directory; the trainer opens each with
+  `purge_step` = the resumed step + 1, which writes TensorBoard's SessionLog.START at that step.
+  As TensorBoard does (EventAccumulator._Purge), a START at step s drops every point recorded
+  before it (earlier files, earlier in the file) with step >= s: what the dead process logged
+  after its last checkpoint. The `*_vs_tokens` / `*_vs_mflops` tags, whose step is tokens or
+  MFLOPs, are purged by the training step they were logged at (TensorBoard would drop them all);
+- per (tag, step) the point with the latest wall time wins (ties: the later file / later
+  record): re-logged steps of runs written without a START;
+- a half-written or damaged last record (a run killed mid-write) ends the file silently; a
+  damaged record with readable ones after it is skipped, the reading goes on at the next record
+  that checks, and the file is named (stderr, and the report) since its points there are lost;
 - tags a variant never logs (dense has no mod/ or moe/ tags) are simply absent.
 
 A run directory holds config.yaml, run_info.json, tb/, optionally routing.pt and DONE.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +75,8 @@ class RunLog:
     done: bool = False
     config_diff: dict = field(default_factory=dict)
     """Set when other runs share this run's name with another config: the keys that differ, with this run's values."""
+    damaged: list[str] = field(default_factory=list)
+    """Event files of this run with records lost from the middle (read_scalars), one line each."""
 
     @property
     def name(self) -> str:
@@ -134,49 +144,135 @@ def event_files(tb_dir: str | Path) -> list[Path]:
     return sorted(files, key=created)
 
 
-def iter_scalar_events(path: str | Path) -> Iterator[tuple[str, int, float, float]]:
-    """(tag, step, value, wall_time) for every scalar in one event file, in file order.
+_LENGTH_CRC = struct.Struct("<QI")  # a TFRecord: u64 length, masked crc32c of it, payload, masked crc32c of payload
+_DERIVED = ("_vs_tokens", "_vs_mflops")  # mode/loggers.py: step = tokens or MFLOPs, written right after <split>/loss
 
-    EventFileLoader migrates legacy `simple_value` summaries (torch SummaryWriter) to the
-    tensor form, so both writers' files read the same. A truncated tail record (a run still
-    writing) ends the iteration instead of raising.
-    """
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+def _records(path: Path, damage: list[tuple[int, int]]) -> Iterator[bytes]:
+    """The record payloads of one event file, in order. A record that fails its checks is skipped:
+    the reading resumes at the next offset holding a record whose length and payload CRCs check,
+    and (offset, bytes skipped) is appended to `damage`. With no such record after it, the bad
+    bytes are the tail of a run killed mid-write: the file ends there, silently."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data = Path(path).read_bytes()
+    n = len(data)
+
+    def payload_end(p: int) -> int | None:
+        if p + 16 > n:
+            return None
+        length, crc = _LENGTH_CRC.unpack_from(data, p)
+        end = p + 12 + length
+        if end + 4 > n or masked_crc32c(data[p:p + 8]) != crc:  # the cheap length bound first (resync scans)
+            return None
+        return end if masked_crc32c(data[p + 12:end]) == struct.unpack_from("<I", data, end)[0] else None
+
+    pos = 0
+    while pos < n:
+        end = payload_end(pos)
+        if end is None:
+            nxt = next((p for p in range(pos + 1, n - 15) if payload_end(p) is not None), None)
+            if nxt is None:
+                return
+            damage.append((pos, nxt - pos))
+            pos = nxt
+            continue
+        yield data[pos + 12:end]
+        pos = end + 4
+
+
+def _events(path: Path, damage: list[tuple[int, int]]):
+    """Event protos of one file through tensorboard's read-time compat layers (as EventFileLoader:
+    legacy `simple_value` summaries of torch's SummaryWriter become tensors)."""
+    from google.protobuf.message import DecodeError
+    from tensorboard import data_compat, dataclass_compat
+    from tensorboard.compat.proto import event_pb2
+
+    initial_metadata: dict = {}
+    for record in _records(path, damage):
+        try:
+            event = event_pb2.Event.FromString(record)
+        except DecodeError:  # checks but is no Event: not a TensorBoard record
+            continue
+        yield from dataclass_compat.migrate_event(data_compat.migrate_event(event), initial_metadata)
+
+
+def _scalars(event) -> Iterator[tuple[str, float]]:
     from tensorboard.util import tensor_util
 
-    for event in EventFileLoader(str(path)).Load():
-        if not event.HasField("summary"):
-            continue
-        for v in event.summary.value:
-            if v.HasField("tensor"):
-                arr = tensor_util.make_ndarray(v.tensor)
-                if arr.size != 1 or arr.dtype.kind not in "fiub":
-                    continue  # not a scalar (histogram, text, image ...)
-                value = float(arr.reshape(()))
-            elif v.HasField("simple_value"):
-                value = float(v.simple_value)
-            else:
-                continue
-            yield v.tag, int(event.step), value, float(event.wall_time)
+    for v in event.summary.value if event.HasField("summary") else ():
+        if v.HasField("tensor"):
+            arr = tensor_util.make_ndarray(v.tensor)
+            if arr.size != 1 or arr.dtype.kind not in "fiub":
+                continue  # not a scalar (histogram, text, image ...)
+            yield v.tag, float(arr.reshape(()))
+        elif v.HasField("simple_value"):
+            yield v.tag, float(v.simple_value)
 
 
-def read_scalars(tb_dir: str | Path) -> dict[str, list[Point]]:
-    """{tag: points sorted by step}, one point per step: the latest write by wall time wins."""
-    best: dict[tuple[str, int], tuple[float, int, float]] = {}  # (tag, step) -> (wall, order, value)
+def _is_start(event) -> bool:
+    from tensorboard.compat.proto import event_pb2
+
+    return event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START
+
+
+def _damage_line(path: Path, damage: list[tuple[int, int]]) -> str:
+    return (f"{path} ({sum(b for _, b in damage)} damaged byte(s) from offset {damage[0][0]}: the points in them "
+            "are lost, the rest of the file was read; run.dir/metrics.jsonl holds every logged row)")
+
+
+def iter_scalar_events(path: str | Path, damaged: list[str] | None = None) -> Iterator[tuple[str, int, float, float]]:
+    """(tag, step, value, wall_time) for every scalar in one event file, in file order. A damaged
+    record in the middle is skipped and the file named in `damaged` (see _records)."""
+    damage: list[tuple[int, int]] = []
+    for event in _events(Path(path), damage):
+        for tag, value in _scalars(event):
+            yield tag, int(event.step), value, float(event.wall_time)
+    if damage and damaged is not None:
+        damaged.append(_damage_line(Path(path), damage))
+
+
+def read_scalars(tb_dir: str | Path, damaged: list[str] | None = None) -> dict[str, list[Point]]:
+    """{tag: points sorted by step}, one point per step: TensorBoard's purge on SessionLog.START,
+    then the latest write by wall time (module docstring). Event files with records lost from the
+    middle are appended to `damaged` (one line each), or, without a list, named on stderr."""
+    best: dict[tuple[str, int], tuple[float, int, float, int]] = {}  # (tag, step) -> (wall, order, value, purge step)
+    lines: list[str] = []
     order = 0
     for f in event_files(tb_dir):
-        for tag, step, value, wall in iter_scalar_events(f):
-            order += 1
-            key = (tag, step)
-            prev = best.get(key)
-            if prev is None or (wall, order) >= (prev[0], prev[1]):
-                best[key] = (wall, order, value)
+        damage: list[tuple[int, int]] = []
+        train_step = None  # of the last step-indexed point of this file: the step a derived point was logged at
+        for event in _events(f, damage):
+            if _is_start(event):
+                best = {k: v for k, v in best.items() if v[3] < event.step}
+                continue
+            step, wall = int(event.step), float(event.wall_time)
+            for tag, value in _scalars(event):
+                order += 1
+                derived = tag.endswith(_DERIVED)
+                if not derived:
+                    train_step = step
+                key = (tag, step)
+                prev = best.get(key)
+                if prev is None or (wall, order) >= (prev[0], prev[1]):
+                    best[key] = (wall, order, value, train_step if derived and train_step is not None else step)
+        if damage:
+            lines.append(_damage_line(f, damage))
+    if damaged is not None:
+        damaged += lines
+    elif lines:
+        print(damaged_line(lines), file=sys.stderr)
     out: dict[str, list[Point]] = {}
-    for (tag, step), (wall, _, value) in best.items():
+    for (tag, step), (wall, _, value, _) in best.items():
         out.setdefault(tag, []).append(Point(step, value, wall))
     for pts in out.values():
         pts.sort(key=lambda p: p.step)
     return dict(sorted(out.items()))
+
+
+def damaged_line(damaged: list[str]) -> str:
+    """One stderr line naming the event files that lost records from the middle."""
+    return f"warning: {len(damaged)} event file(s) damaged in the middle: " + "; ".join(damaged)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,8 +327,9 @@ def load_run_log(path: str | Path) -> RunLog:
     m = _SEED_SUFFIX.match(path.name)
     variant = info.get("name") or (config.get("run") or {}).get("name") or (m.group("variant") if m else path.name)
     seed = info.get("seed", (config.get("train") or {}).get("seed", int(m.group("seed")) if m else 0))
-    scalars = read_scalars(path / "tb") if (path / "tb").is_dir() else {}
-    return RunLog(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists())
+    damaged: list[str] = []
+    scalars = read_scalars(path / "tb", damaged) if (path / "tb").is_dir() else {}
+    return RunLog(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists(), damaged=damaged)
 
 
 def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
@@ -252,7 +349,8 @@ def find_run_dirs(runs_dir: str | Path, max_depth: int = 3) -> list[Path]:
 
 def load_runs(runs_dir: str | Path, skipped: list[tuple[Path, str]] | None = None) -> list[RunLog]:
     """Every readable run under runs_dir. A run whose config.yaml is unreadable is left out: appended
-    to `skipped` as (path, why) when a list is given (the caller reports it), else named on stderr."""
+    to `skipped` as (path, why) when a list is given (the caller reports it and the runs' `damaged`
+    event files), else named on stderr, as are damaged event files."""
     runs, left_out = [], []
     for p in find_run_dirs(runs_dir):
         try:
@@ -261,8 +359,11 @@ def load_runs(runs_dir: str | Path, skipped: list[tuple[Path, str]] | None = Non
             left_out.append((p, str(e)))
     if skipped is not None:
         skipped += left_out
-    elif left_out:
-        print(skipped_line(left_out), file=sys.stderr)
+    else:
+        if left_out:
+            print(skipped_line(left_out), file=sys.stderr)
+        if any(r.damaged for r in runs):
+            print(damaged_line([d for r in runs for d in r.damaged]), file=sys.stderr)
     return separate_configs(runs)
 
 

@@ -677,3 +677,231 @@ def test_a_run_with_an_unreadable_config_yaml_is_left_out_and_the_others_reporte
     assert "| `dense` | 1 |" in md and "| `mod` | 1 |" in md and "`dense_seed1` | `dense_seed1`" not in md
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["dense"]["seeds"] == [0] and summary["dense"]["eval_loss"]["mean"] == pytest.approx(2.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resumed and damaged event files, written here with torch's SummaryWriter (no training).
+
+
+def _next_second() -> None:
+    """Event files sort by the whole second in their names: a resumed process starts in a later one."""
+    import time
+
+    t = int(time.time())
+    while int(time.time()) == t:
+        time.sleep(0.05)
+
+
+def test_a_resumed_run_reads_as_an_uninterrupted_one_tensorboard_purge(tmp_path):
+    """Bug caught: a process logging every 10 steps died at step 130 after its step-100 checkpoint;
+    the resumed one (SummaryWriter(purge_step=101), as the trainer opens it) logs every 20 steps from
+    110. "Latest write per (tag, step) wins" replaced 110 and 130 but kept the dead process's 120
+    (and its loss_vs_tokens point), a step the resumed run never trained. TensorBoard's own purge
+    on the SessionLog.START event drops every earlier point at step >= 101."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    tbd = tmp_path / "tb"
+    dead, resumed = {s: 9.0 - s / 100 for s in range(10, 131, 10)}, {s: 5.0 - s / 1000 for s in range(110, 151, 20)}
+    for values, purge in ((dead, None), (resumed, 101)):
+        _next_second()
+        w = SummaryWriter(str(tbd), purge_step=purge)
+        for step, v in values.items():  # as mode/loggers.py writes them
+            w.add_scalar("train/loss", v, step)
+            w.add_scalar("train/loss_vs_tokens", v, step * 64)
+        w.close()
+    uninterrupted = {**{s: v for s, v in dead.items() if s <= 100}, **resumed}
+    got = tb.read_scalars(tbd)
+    assert {p.step: p.value for p in got["train/loss"]} == pytest.approx(uninterrupted)
+    assert {p.step: p.value for p in got["train/loss_vs_tokens"]} == pytest.approx(
+        {s * 64: v for s, v in uninterrupted.items()})  # purged by the training step, not by tokens
+    acc = EventAccumulator(str(tbd), size_guidance={"scalars": 0})  # the reference: TensorBoard's reading
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(uninterrupted)
+    assert [(p.step, p.value, p.wall_time) for p in got["train/loss"]] == [
+        (e.step, pytest.approx(e.value), pytest.approx(e.wall_time)) for e in acc.Scalars("train/loss")]
+
+
+def _record_offsets(data: bytes) -> list[int]:
+    """Start of every TFRecord (u64 length, u32 crc, payload, u32 crc) of an intact file."""
+    import struct
+
+    out, pos = [], 0
+    while pos < len(data):
+        out.append(pos)
+        pos += 16 + struct.unpack_from("<Q", data, pos)[0]
+    return out
+
+
+@pytest.mark.parametrize("where", ["payload", "length"])
+def test_a_damaged_record_in_the_middle_loses_only_itself_and_is_named(tmp_path, capsys, where):
+    """Bug caught: flipped bytes in one record in the middle of an event file dropped the rest of
+    the file without a word (tensorboard's loader stops at the first bad record): `mode analyze`
+    reported the eval loss, logged after it, as missing, exit 0. The reader now skips the damaged
+    record, reads on, and names the file on stderr (one line) and in the report; a truncated last
+    record (a run killed mid-write) is still read silently."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.proto import event_pb2
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    run = root / "dense_seed0"
+    _write_run(run, "dense", 0, 2.5)
+    shutil.rmtree(run / "tb")  # its event file is written here
+    w = SummaryWriter(str(run / "tb"))
+    for step in range(1, 21):
+        w.add_scalar("train/loss", 4.0 - step / 10, step)
+    w.add_scalar("eval/loss", 2.25, 20)
+    w.close()
+    f = next((run / "tb").glob("events.out.tfevents.*"))
+    intact = f.read_bytes()
+    acc = EventAccumulator(str(f), size_guidance={"scalars": 0})  # the reference: the intact file
+    acc.Reload()
+    ref = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    offsets = _record_offsets(intact)
+    i = len(offsets) // 2
+    hit = offsets[i]
+    lost = event_pb2.Event.FromString(intact[hit + 12:offsets[i + 1] - 4])
+    lost_key = (lost.summary.value[0].tag, lost.step)
+    assert lost_key[0] == "train/loss" and lost_key in ref
+    data = bytearray(intact)
+    flip = hit + (2 if where == "length" else 14)  # inside the length field, or inside the payload
+    data[flip:flip + 3] = bytes(b ^ 0xFF for b in data[flip:flip + 3])
+    f.write_bytes(bytes(data))
+
+    damaged: list[str] = []
+    got = {(tag, p.step): p.value for tag, pts in tb.read_scalars(run / "tb", damaged).items() for p in pts}
+    assert got == pytest.approx({k: v for k, v in ref.items() if k != lost_key})
+    assert len(damaged) == 1 and damaged[0].startswith(f"{f} (") and f"from offset {hit}" in damaged[0]
+
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: 1 event file(s) damaged in the middle: ") and str(f) in err[0]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**Damaged event files** (1, records lost from the middle)" in md and str(f) in md
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["dense"]["eval_loss"]["mean"] == pytest.approx(ref[("eval/loss", 20)])
+
+    # a half-written last record: read up to it, no warning
+    f.write_bytes(intact[:-7])
+    damaged = []
+    got = {(tag, p.step): p.value for tag, pts in tb.read_scalars(run / "tb", damaged).items() for p in pts}
+    assert damaged == [] and got == pytest.approx({k: v for k, v in ref.items() if k != ("eval/loss", 20)})
+    assert capsys.readouterr().err == ""
+
+
+def test_threshold_routers_report_the_threshold_rule_accuracy():
+    """Bug caught: a `model.mod.causal=threshold` run, which samples with r - threshold > 0, had its
+    router's r > 0 accuracy (router_causal_acc) reported as its causal routing accuracy."""
+    import torch
+
+    from mode.config import ModConfig
+    from mode.routing.depth import DepthRouter
+
+    torch.manual_seed(0)
+    router = DepthRouter(8, ModConfig(causal="threshold"))
+    router.threshold.fill_(0.4)
+    x = torch.randn(2, 16, 8)
+    r = torch.linspace(-1, 1, 32).reshape(2, 16)
+    member = (r > 0.3).float()  # top-k membership: the threshold rule gets some right the sign rule gets wrong
+    _, m = router.losses(x, r, member)
+    assert float(m["threshold_acc"]) != float(m["router_causal_acc"])
+
+    def run_of(metrics: dict) -> tb.RunLog:
+        return tb.RunLog(Path("/nonexistent/r"), "mod", 0,
+                         scalars={f"mod/layer{i}/{k}": [tb.Point(10, float(v), 0.0)] for i in (1, 3)
+                                  for k, v in metrics.items()})
+
+    assert report.causal_routing_acc(run_of(m)) == pytest.approx(float(m["threshold_acc"]))
+    assert report.causal_routing_acc(run_of({"router_causal_acc": 0.6})) == pytest.approx(0.6)
+    both = {"predictor_acc": 0.9, "threshold_acc": 0.8, "router_causal_acc": 0.6}
+    assert report.causal_routing_acc(run_of(both)) == pytest.approx(0.9)
+
+
+def test_isoflop_leaves_out_runs_not_evaluated_at_their_max_steps(tmp_path):
+    """Bug caught: a seed stopped at train.stop_at (or still running) had its last eval loss, at
+    an earlier step, averaged with finished seeds' final losses as the loss at its budget."""
+    runs = []
+    for params, loss in ((1e5, 2.6), (3e5, 2.4), (1e6, 2.5)):
+        fpt = 6 * params
+        steps = round(1e12 / (3 * fpt * 1000))
+        runs.append(fake_run("dense", params, fpt, steps, loss))
+        stopped = fake_run("dense", params, fpt, steps, loss + 0.9)  # a second seed, stopped halfway
+        stopped.scalars["eval/loss"] = [tb.Point(steps // 2, loss + 0.9, 0.0)]
+        runs.append(stopped)
+    done = fake_run("dense", 3e5, 6 * 3e5, round(1e12 / (3 * 6 * 3e5 * 1000)), 2.2)
+    done.done = True  # a finished third seed of one size
+    runs.append(done)
+    unfinished: list = []
+    points = isoflop.collect_points(runs, unfinished=unfinished)
+    assert {p.params: (p.loss, p.n_seeds) for p in points} == {1e5: (2.6, 1), 3e5: (pytest.approx(2.3), 2),
+                                                               1e6: (2.5, 1)}
+    assert len(unfinished) == 3 and all(not r.done for r in unfinished)
+    lines = "\n".join(isoflop.isoflop_section(runs, tmp_path))
+    assert "Left out, not evaluated at their `train.max_steps` yet" in lines
+    assert all(f"`{r.name}` (eval step {r.last_step('eval/loss')} of {r.cfg('train.max_steps')})" in lines
+               for r in unfinished)
+
+
+def test_figure_links_of_a_variant_named_with_hash_resolve(tmp_path):
+    """Bug caught: `![](entropy_vs_blocks_dense#2.png)`: `#2.png` is a URL fragment, the image broken."""
+    import torch
+    from urllib.parse import unquote, urlsplit
+
+    root = tmp_path / "runs"
+    _write_run(root / "a" / "dense_seed0", "dense", 0, 2.0)
+    _write_run(root / "b" / "dense_seed0", "dense", 0, 2.2, train__max_steps=7)  # another config: dense#2
+    g = torch.Generator().manual_seed(0)
+    for d in (root / "a" / "dense_seed0", root / "b" / "dense_seed0"):
+        torch.save({"input_ids": torch.randint(0, 256, (2, 16), generator=g),
+                    "engaged": torch.rand(2, 2, 16, generator=g) > 0.5, "entropy": torch.rand(2, 16, generator=g),
+                    "text": ["x" * 16] * 2}, d / "routing.pt")
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    md = (out / "report.md").read_text()
+    links = [line[line.index("](") + 2:-1] for line in md.splitlines() if line.startswith("![")]
+    assert any("dense%232" in link for link in links), links
+    for link in links:
+        u = urlsplit(link)
+        assert u.fragment == "" and (out / unquote(u.path)).is_file(), link
+
+
+def test_expert_work_against_budget_and_the_causal_capacity_mark(tmp_path):
+    """The per-variant table compares variants at budgeted FLOPs (experts counted at capacity): a
+    dropping MoE shows the expert work it did against that budget, and its causal-routing columns
+    are marked: causal evaluation runs its experts dropless, so that gap is dropless − dropping."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mode.config import load_config
+    from mode.mlp import MLP
+    from mode.moe.base import MoEBase
+
+    root = tmp_path / "runs"
+    moe = {"model__moe__layers": "every_other", "model__moe__top_k": 2, "model__moe__num_experts": 4}
+    _write_run(root / "moe_dropping_seed0", "moe_dropping", 0, 2.0, model__moe__capacity_factor=0.75, **moe)
+    _write_run(root / "moe_seed0", "moe", 0, 2.1, model__moe__capacity_factor="null", **moe)
+    loads = {"moe_dropping": {1: 0.6, 3: 0.7}, "moe": {1: 1.0, 3: 1.0}}
+    for v, by_layer in loads.items():
+        w = SummaryWriter(str(root / f"{v}_seed0" / "tb"))
+        w.add_scalar("eval/loss_causal", 1.9, 10)
+        for i, load in by_layer.items():
+            w.add_scalar(f"moe/layer{i}/load_mean", load, 10)
+        w.close()
+    report.analyze(root, tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    for v, by_layer in loads.items():  # budgeted expert rows per token from mode's own FLOP count
+        cfg = load_config("configs/tiny/dense.yaml", [f"model.moe.{k.split('__')[-1]}={x}" for k, x in moe.items()]
+                          + [f"model.moe.capacity_factor={0.75 if v == 'moe_dropping' else 'null'}"]).model
+        e = MLP.cost(cfg.d_model, cfg.moe.d_expert or cfg.d_ff, cfg.mlp).flops
+        rows = (MoEBase.cost(cfg).flops - 2 * cfg.d_model * (cfg.moe.num_experts + cfg.moe.num_noop_experts)) / e
+        assert summary[v]["expert_work"]["mean"] == pytest.approx(np.mean(list(by_layer.values())) * 2 / rows)
+    assert summary["moe_dropping"]["expert_work"]["mean"] == pytest.approx(0.65 * 2 / 1.5)
+    md = (tmp_path / "out" / "report.md").read_text()
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    table = md.split("## Summary per variant", 1)[1].split("\n\n")[1].splitlines()
+    head, rows_md = cells(table[0]), {cells(line)[0]: cells(line) for line in table[2:]}
+    assert rows_md["`moe_dropping`"][head.index("expert work / budget")] == f"{0.65 * 2 / 1.5:.1%}"
+    for name in ("eval loss (causal routing)", "causal − top-k"):
+        assert rows_md["`moe_dropping`"][head.index(name)].endswith(" †")
+        assert not rows_md["`moe`"][head.index(name)].endswith(" †")  # dropless both ways: a routing gap
+    assert "the gap is dropless minus dropping, not a routing-causality gap" in md
