@@ -5,12 +5,13 @@ EventAccumulator: the accumulator reservoir-samples long series (it keeps 10k sc
 default), and tensorboard's loader stops at the first damaged record, dropping the rest of the
 file without a word. Merge rules for resumed runs:
 
-- a resumed run appends new event files to the same tb/ directory; the trainer opens each with
-  `purge_step` = the resumed step + 1, which writes TensorBoard's SessionLog.START at that step.
-  As TensorBoard does (EventAccumulator._Purge), a START at step s drops every point recorded
-  before it (earlier files, earlier in the file) with step >= s: what the dead process logged
-  after its last checkpoint. The `*_vs_tokens` / `*_vs_mflops` tags, whose step is tokens or
-  MFLOPs, are purged by the training step they were logged at (TensorBoard would drop them all);
+- a resumed run appends new event files to the same tb/ directory, and the trainer records each
+  resume in run_info.json (`resumes`: step, train/tokens_seen, train/flops_seen, wall time). A
+  point written before a resume past its position is the stopped process's (logged after its
+  last checkpoint, never trained by the run that goes on): dropped. The position is the step, or
+  for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen, their step axes. TensorBoard's
+  own view still shows those points (its purge, a SessionLog.START at a step, would drop every
+  tokens- and FLOPs-axis point, so the trainer writes none);
 - per (tag, step) the point with the latest wall time wins (ties: the later file / later
   record): re-logged steps of runs written without a START;
 - a half-written or damaged last record (a run killed mid-write) ends the file silently; a
@@ -145,7 +146,6 @@ def event_files(tb_dir: str | Path) -> list[Path]:
 
 
 _LENGTH_CRC = struct.Struct("<QI")  # a TFRecord: u64 length, masked crc32c of it, payload, masked crc32c of payload
-_DERIVED = ("_vs_tokens", "_vs_mflops")  # mode/loggers.py: step = tokens or MFLOPs, written right after <split>/loss
 
 
 def _records(path: Path, damage: list[tuple[int, int]]) -> Iterator[bytes]:
@@ -210,10 +210,21 @@ def _scalars(event) -> Iterator[tuple[str, float]]:
             yield v.tag, float(v.simple_value)
 
 
-def _is_start(event) -> bool:
-    from tensorboard.compat.proto import event_pb2
+def _stale(resumes: list[dict]):
+    """(tag, step, wall) -> written before a resume, past its position (module docstring)."""
+    limits = []
+    for r in resumes:
+        try:
+            limits.append((float(r["time"]), int(r["step"]), int(r["train/tokens_seen"]),
+                           int(float(r["train/flops_seen"]) / 1e6)))  # mode/loggers.py: loss_vs_mflops's step
+        except (KeyError, TypeError, ValueError):
+            continue  # a run_info.json written by hand or by an older version: nothing known to drop
 
-    return event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START
+    def stale(tag: str, step: int, wall: float) -> bool:
+        at = 2 if tag.endswith("_vs_tokens") else 3 if tag.endswith("_vs_mflops") else 1
+        return any(wall < lim[0] and step > lim[at] for lim in limits)
+
+    return stale
 
 
 def _damage_line(path: Path, damage: list[tuple[int, int]]) -> str:
@@ -232,30 +243,28 @@ def iter_scalar_events(path: str | Path, damaged: list[str] | None = None) -> It
         damaged.append(_damage_line(Path(path), damage))
 
 
-def read_scalars(tb_dir: str | Path, damaged: list[str] | None = None) -> dict[str, list[Point]]:
-    """{tag: points sorted by step}, one point per step: TensorBoard's purge on SessionLog.START,
-    then the latest write by wall time (module docstring). Event files with records lost from the
-    middle are appended to `damaged` (one line each), or, without a list, named on stderr."""
-    best: dict[tuple[str, int], tuple[float, int, float, int]] = {}  # (tag, step) -> (wall, order, value, purge step)
+def read_scalars(tb_dir: str | Path, damaged: list[str] | None = None,
+                 resumes: list[dict] | None = None) -> dict[str, list[Point]]:
+    """{tag: points sorted by step}, one point per step: points a stopped process logged past the
+    resume that followed (run_info.json's `resumes`) dropped, then the latest write by wall time
+    wins (module docstring). Event files with records lost from the middle are appended to
+    `damaged` (one line each), or, without a list, named on stderr."""
+    stale = _stale(resumes or [])
+    best: dict[tuple[str, int], tuple[float, int, float]] = {}  # (tag, step) -> (wall, order, value)
     lines: list[str] = []
     order = 0
     for f in event_files(tb_dir):
         damage: list[tuple[int, int]] = []
-        train_step = None  # of the last step-indexed point of this file: the step a derived point was logged at
         for event in _events(f, damage):
-            if _is_start(event):
-                best = {k: v for k, v in best.items() if v[3] < event.step}
-                continue
             step, wall = int(event.step), float(event.wall_time)
             for tag, value in _scalars(event):
                 order += 1
-                derived = tag.endswith(_DERIVED)
-                if not derived:
-                    train_step = step
+                if stale(tag, step, wall):
+                    continue
                 key = (tag, step)
                 prev = best.get(key)
                 if prev is None or (wall, order) >= (prev[0], prev[1]):
-                    best[key] = (wall, order, value, train_step if derived and train_step is not None else step)
+                    best[key] = (wall, order, value)
         if damage:
             lines.append(_damage_line(f, damage))
     if damaged is not None:
@@ -263,7 +272,7 @@ def read_scalars(tb_dir: str | Path, damaged: list[str] | None = None) -> dict[s
     elif lines:
         print(damaged_line(lines), file=sys.stderr)
     out: dict[str, list[Point]] = {}
-    for (tag, step), (wall, _, value, _) in best.items():
+    for (tag, step), (wall, _, value) in best.items():
         out.setdefault(tag, []).append(Point(step, value, wall))
     for pts in out.values():
         pts.sort(key=lambda p: p.step)
@@ -328,7 +337,8 @@ def load_run_log(path: str | Path) -> RunLog:
     variant = info.get("name") or (config.get("run") or {}).get("name") or (m.group("variant") if m else path.name)
     seed = info.get("seed", (config.get("train") or {}).get("seed", int(m.group("seed")) if m else 0))
     damaged: list[str] = []
-    scalars = read_scalars(path / "tb", damaged) if (path / "tb").is_dir() else {}
+    resumes = info.get("resumes") if isinstance(info.get("resumes"), list) else []
+    scalars = read_scalars(path / "tb", damaged, resumes) if (path / "tb").is_dir() else {}
     return RunLog(path, str(variant), int(seed), info, config, scalars, (path / "DONE").exists(), damaged=damaged)
 
 

@@ -692,34 +692,36 @@ def _next_second() -> None:
         time.sleep(0.05)
 
 
-def test_a_resumed_run_reads_as_an_uninterrupted_one_tensorboard_purge(tmp_path):
+def test_a_resumed_run_reads_as_an_uninterrupted_one(tmp_path):
     """Bug caught: a process logging every 10 steps died at step 130 after its step-100 checkpoint;
-    the resumed one (SummaryWriter(purge_step=101), as the trainer opens it) logs every 20 steps from
-    110. "Latest write per (tag, step) wins" replaced 110 and 130 but kept the dead process's 120
-    (and its loss_vs_tokens point), a step the resumed run never trained. TensorBoard's own purge
-    on the SessionLog.START event drops every earlier point at step >= 101."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    the resumed one logs every 20 steps from 110. "Latest write per (tag, step) wins" replaced 110
+    and 130 but kept the dead process's 120 (and its loss_vs_tokens point), a step the resumed run
+    never trained. The resume recorded in run_info.json (as the trainer writes it) drops every
+    point written before it past its step (tokens, MFLOPs on those axes)."""
+    import time
+
     from torch.utils.tensorboard import SummaryWriter
 
     tbd = tmp_path / "tb"
     dead, resumed = {s: 9.0 - s / 100 for s in range(10, 131, 10)}, {s: 5.0 - s / 1000 for s in range(110, 151, 20)}
-    for values, purge in ((dead, None), (resumed, 101)):
+    resumes = []
+    for values in (dead, resumed):
         _next_second()
-        w = SummaryWriter(str(tbd), purge_step=purge)
-        for step, v in values.items():  # as mode/loggers.py writes them
+        if values is resumed:
+            resumes.append({"step": 100, "train/tokens_seen": 6400, "train/flops_seen": 6400 * 3e6,
+                            "time": time.time()})
+        w = SummaryWriter(str(tbd))
+        for step, v in values.items():  # as mode/loggers.py writes them: 64 tokens, 192 MFLOPs a step
             w.add_scalar("train/loss", v, step)
             w.add_scalar("train/loss_vs_tokens", v, step * 64)
+            w.add_scalar("train/loss_vs_mflops", v, step * 192)
         w.close()
     uninterrupted = {**{s: v for s, v in dead.items() if s <= 100}, **resumed}
-    got = tb.read_scalars(tbd)
+    got = tb.read_scalars(tbd, resumes=resumes)
     assert {p.step: p.value for p in got["train/loss"]} == pytest.approx(uninterrupted)
-    assert {p.step: p.value for p in got["train/loss_vs_tokens"]} == pytest.approx(
-        {s * 64: v for s, v in uninterrupted.items()})  # purged by the training step, not by tokens
-    acc = EventAccumulator(str(tbd), size_guidance={"scalars": 0})  # the reference: TensorBoard's reading
-    acc.Reload()
-    assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(uninterrupted)
-    assert [(p.step, p.value, p.wall_time) for p in got["train/loss"]] == [
-        (e.step, pytest.approx(e.value), pytest.approx(e.wall_time)) for e in acc.Scalars("train/loss")]
+    for tag, per_step in (("train/loss_vs_tokens", 64), ("train/loss_vs_mflops", 192)):
+        assert {p.step: p.value for p in got[tag]} == pytest.approx({s * per_step: v for s, v in uninterrupted.items()})
+    assert 120 in {p.step for p in tb.read_scalars(tbd)["train/loss"]}  # without the record: the bug
 
 
 def _record_offsets(data: bytes) -> list[int]:

@@ -558,7 +558,7 @@ def test_readers_of_weights_fall_back_without_touching_the_run(tmp_path):
     from mode import checkpoint as ckpt
 
     root = ckpt.checkpoints_dir(tmp_path)
-    old = fake_checkpoint(tmp_path, 1, {"w": torch.zeros(2)})  # saved before manifests: accepted
+    old = fake_checkpoint(tmp_path, 1, {"w": torch.zeros(2)})  # an older checkpoint (fake_checkpoint writes its manifest)
     good = _fake_checkpoint(root, 4, 1)
     torch.save({"w": torch.ones(2)}, good / ckpt.MODEL)
     ckpt.write_manifest(good, 4)
