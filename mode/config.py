@@ -514,7 +514,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if k.tag == "tag:yaml.org,2002:merge":  # no constructor of its own; flatten_mapping resolves it
                 continue
             key = self.construct_object(k, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if isinstance(key, (str, int, float, bool, type(None))) and key in seen:  # `~:` twice too
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
@@ -636,6 +636,9 @@ def _build(cls: type, d: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in d.items():
+        if not isinstance(k, str):  # YAML reads `1:`, `yes:` and `~:` as int, bool and None keys
+            raise ConfigError(prefix + str(k), msg=f"unknown key {prefix}{k!r} (a {type(k).__name__}, not a "
+                                                   f"name); allowed: {', '.join(names)}")
         if k not in names:
             close = difflib.get_close_matches(k, names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""

@@ -112,13 +112,13 @@ class Loggers:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if not self.enabled:
             return
         self.tb.close()
         self.jsonl.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)  # a fault shows as a failed W&B run
 
 
 def _wandb_id(run_dir: Path) -> str:

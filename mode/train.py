@@ -7,6 +7,7 @@ Launch as `mode train --config F`, `deepspeed --num_gpus N --module mode.train -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -357,9 +358,13 @@ class Trainer:
         same_layout = old_ep == self.cfg.model.moe.ep_size
         if not same_layout:
             warnings.warn(f"resuming {last} at model.moe.ep_size={self.cfg.model.moe.ep_size} (saved at {old_ep}): "
-                          "weights are loaded, the optimizer and LR schedule restart")
+                          "weights are loaded, the optimizer state restarts, the LR schedule goes on")
         client = ckpt.load(self.engine, last, self.rank, load_optimizer=same_layout)
         self.step, self.tokens = client["step"], client["tokens"]
+        if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
+            # function of the applied steps alone, so take it up where it was, not from warmup again
+            self.sched.last_epoch = client.get("lr_steps", self.step) - 1
+            self.sched.step()
         self.elapsed_s = client.get("elapsed_s", 0.0)
         if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
             self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)
@@ -369,7 +374,7 @@ class Trainer:
     def save(self, pending_s: float = 0.0) -> None:
         """`pending_s`: training time since the last log, not yet in elapsed_s (a resume must count it)."""
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
-                 "world_size": self.world}
+                 "world_size": self.world, "lr_steps": self.sched.last_epoch}  # skipped steps do not count
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,
                   rank_state={"log_sums": self.acc.state_dict()})
 
@@ -407,9 +412,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        # evaluation must not shift training randomness
-        with torch.random.fork_rng(devices=[]), self._eager():
+        # evaluation must not shift training randomness (stochastic routing draws on the device)
+        with self._fork_rng(), self._eager():
             return self._evaluate()
+
+    def _fork_rng(self):
+        return torch.random.fork_rng(devices=[self.dev.index] if self.dev.type == "cuda" else [])
 
     def _eager(self):
         """Compiled blocks run eager in evaluation: no-grad and causal routing's ragged shapes would
@@ -447,7 +455,7 @@ class Trainer:
         return vals
 
     def dump_routing(self) -> None:
-        with torch.random.fork_rng(devices=[]), self._eager():
+        with self._fork_rng(), self._eager():
             self._dump_routing()
 
     def _dump_routing(self) -> None:
@@ -484,13 +492,29 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        acc, last = self.acc, {}
         bar = None
         if self.rank == 0 and console.use_bar(cfg.log.progress):
             from tqdm import tqdm
 
             bar = tqdm(total=t.max_steps, initial=self.step, desc=cfg.run.name or self.run_dir.name,
                        dynamic_ncols=True, file=sys.stderr)
+        try:
+            last = self._fit(bar)
+        except BaseException:  # a fault (non-finite, checkpoint, disk): the loggers' files and W&B are
+            with contextlib.suppress(Exception):  # closed too; the fault is what gets reported
+                self.log.close(failed=True)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self.log.close()
+        if self.lock is not None:
+            self.lock.release()
+        return last
+
+    def _fit(self, bar) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        acc, last = self.acc, {}
         if self.rank == 0 and self.step < t.max_steps and (self.run_dir / "DONE").exists():
             (self.run_dir / "DONE").unlink()  # a finished run continued to a longer schedule is not done
         if self.step == 0:  # the starting point of every eval curve
@@ -541,8 +565,6 @@ class Trainer:
                 t_log += time.perf_counter() - t0  # nor is saving
             if bar is not None:
                 bar.update(1)
-        if bar is not None:
-            bar.close()
         if cfg.log.routing_dump and self.step == t.max_steps:
             self.dump_routing()  # every rank: expert-parallel layers need all ranks in the forward
         if self.rank == 0 and self.step == t.max_steps:
@@ -550,9 +572,6 @@ class Trainer:
             ev = f", eval loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""
             print(f"finished at step {self.step}{ev}; TensorBoard: {self.run_dir / 'tb'}, "
                   f"metrics: {self.run_dir / 'metrics.jsonl'}", flush=True)
-        self.log.close()
-        if self.lock is not None:
-            self.lock.release()
         return last
 
 

@@ -118,6 +118,10 @@ FILES = [
     ("base is missing", b"base: missing.yaml\n"),
     ("base cycle (self)", b"base: SELF\n"),
     ("base cycle (two files)", b"base: OTHER\n"),
+    ("integer key", b"model:\n  1: 5\n"),  # YAML keys that are not strings (a TypeError once)
+    ("null key", b"model:\n  ~: 5\n"),
+    ("boolean key", b"yes: 1\n"),
+    ("null key twice", b"model:\n  ~: 5\n  ~: 6\n"),
 ]
 
 # (name, how the existing run.dir looks) with a valid config.

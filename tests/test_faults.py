@@ -118,7 +118,7 @@ SCRIPT = textwrap.dedent('''
         t.fit()
     except NonFiniteError as e:
         out["error"] = str(e)
-    out.update(change=change, skipped=t.engine.skipped_steps, step=t.step,
+    out.update(change=change, skipped=t.engine.skipped_steps, step=t.step, logs_closed=t.log.jsonl.closed,
                finite=all(bool(torch.isfinite(p).all()) for p in state().values()))
     print("RESULT " + json.dumps(out), flush=True)
 ''')
@@ -239,6 +239,7 @@ def test_nonfinite_stop_policy_names_step_and_layers(nonfinite):
     assert "weight norms: embed.weight: |w|=" in msg and "blocks.1.mlp.mlp.w_out.weight: |w|=" in msg
     assert res["step"] == 3 and res["finite"] and res["change"]["3"] == 0.0
     assert not (d / "DONE").exists()
+    assert res["logs_closed"]  # bug caught: a fault left the loggers open (W&B never finished)
 
 
 @pytest.mark.slow
