@@ -353,6 +353,9 @@ def main(argv=None) -> int:
     try:
         if a.no_ssh and a.node_rank is None:
             raise _err("--node_rank", None, "this node's rank (required with --no_ssh)")
+        if a.launcher == "torchrun" and a.num_nodes > 1 and not a.master_addr:
+            # without it every node waits on its own 127.0.0.1 until the rendezvous times out
+            raise _err("--master_addr", None, "node 0's address (required with --launcher torchrun on several nodes)")
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1

@@ -8,12 +8,13 @@
 #
 # One node: GPUS_PER_NODE=8 launch/torchrun.sh --config ... (NNODES defaults to 1).
 # The config is validated first (bad config: one `config error:` line, exit 2, nothing started).
-# Variables: NNODES (1), NODE_RANK (0), GPUS_PER_NODE (visible GPUs), MASTER_ADDR (127.0.0.1),
+# Variables: NNODES (1), NODE_RANK (0), GPUS_PER_NODE (visible GPUs), MASTER_ADDR (node 0's address;
+# required with NNODES > 1, 127.0.0.1 on one node),
 # MASTER_PORT (29500), PYTHON (see below). Every rank inherits this shell's environment.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 args=(--launcher torchrun --num_nodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}"
-      --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
+      --master_addr "${MASTER_ADDR:-}" --master_port "${MASTER_PORT:-29500}")
 [[ -n "${GPUS_PER_NODE:-}" ]] && args+=(--num_gpus "$GPUS_PER_NODE")
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # PYTHON, else an activated virtualenv's python3, else the checkout's .venv (make install), else python3.

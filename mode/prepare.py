@@ -364,6 +364,9 @@ def _local_rows(it, key: str, spec: str):
     try:
         yield from it
     except Exception as e:  # noqa: BLE001 - pyarrow, json and datasets raise many kinds
+        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno is not None):
+            raise  # the machine, not the data (EIO, ESTALE, ENOSPC): a runtime fault, whose progress
+            # the next prepare resumes; a config error would delete it (pyarrow's parse errors carry no errno)
         raise ConfigError(key, spec, f"readable documents ({_first_line(e)})") from None
 
 

@@ -406,6 +406,25 @@ def test_a_bad_row_leaves_no_prepared_directories_behind(tmp_path):
     assert list((tmp_path / "keep").iterdir()) == []
 
 
+def test_a_read_error_mid_prepare_is_a_runtime_fault_not_bad_input():
+    """Bug caught: an I/O error reading a local source (EIO, a stale NFS handle) was turned into a
+    config error, and the prepare deleted its resumable progress as if the data were bad. A parse
+    error stays bad input (one config error line)."""
+    import errno
+
+    def rows(exc):
+        yield {"text": "a document"}
+        raise exc
+
+    with pytest.raises(OSError) as e:
+        list(prep._local_rows(rows(OSError(errno.EIO, "Input/output error")), "data.source", "x.jsonl"))
+    assert e.value.errno == errno.EIO and not isinstance(e.value, ConfigError)
+    with pytest.raises(ConfigError, match="readable documents"):
+        list(prep._local_rows(rows(ValueError("JSON parse error")), "data.source", "x.jsonl"))
+    with pytest.raises(ConfigError, match="readable documents"):  # pyarrow's corrupt-file OSError: no errno
+        list(prep._local_rows(rows(OSError("Couldn't deserialize thrift")), "data.source", "x.parquet"))
+
+
 def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
     d = tmp_path / "c"
     d.mkdir()

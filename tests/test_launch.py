@@ -193,6 +193,20 @@ def test_wrapper_refuses_what_only_the_ranks_refused_before(tmp_path):
     assert not any((tmp_path / f"r{i}").exists() for i in (1, 2, 3))
 
 
+def test_torchrun_on_several_nodes_needs_the_master_address(capsys):
+    """Bug caught: `--launcher torchrun --num_nodes 2` without --master_addr (or launch/torchrun.sh
+    without MASTER_ADDR) sent every node to its own 127.0.0.1, where it waited for the others until
+    the rendezvous timed out. Refused in one line before anything starts."""
+    from launch.run import main
+
+    assert main(["--launcher", "torchrun", "--num_nodes", "2", "--node_rank", "1", "--num_gpus", "1", "--dry-run",
+                 "--config", "configs/tiny/dense.yaml"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: --master_addr"), err
+    script = (ROOT / "launch" / "torchrun.sh").read_text()
+    assert '--master_addr "${MASTER_ADDR:-}"' in script  # the script passes no default address for it to take
+
+
 @pytest.mark.slow
 def test_dry_run_prints_launcher_commands(tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile")

@@ -173,6 +173,8 @@ def _expert_views(m: nn.Module):
     if isinstance(m, NativeMoE):
         return m.router.weight, 0, list(m.w_in), list(m.w_out)
     if isinstance(m, DeepSpeedMoE):
+        m._ensure_groups()  # its expert-parallel group says which experts this rank holds (unset before
+        # the first forward, every rank's were taken for experts 0..n-1)
         layer = m.moe.deepspeed_moe
         gate = layer.gate
         w_r = gate.router.weight if isinstance(gate, RouterGate) else gate.wg.weight
