@@ -451,18 +451,31 @@ def encoder(tok, workers: int):
             os.environ.pop("TOKENIZERS_PARALLELISM") if old is None else os.environ.update(TOKENIZERS_PARALLELISM=old)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
+    def result(fut):
+        try:
+            return fut.result()
+        except BrokenProcessPool:
+            raise RuntimeError("a tokenizer worker process died (killed, or out of memory: see `dmesg`); "
+                               "run the prepare again to resume after its last complete shard, or lower "
+                               "data.num_workers") from None
+
+    # Not multiprocessing.Pool: a worker that dies there loses its task and the prepare waits for it
+    # forever; here the pool breaks and the next result says so.
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=(tok.spec(),)) as pool:
         def run(docs):
             pending = deque()
             for b, read in _batches(docs):
-                pending.append((pool.apply_async(_encode, (b,)), read))
+                pending.append((pool.submit(_encode, b), read))
                 if len(pending) >= 2 * workers:
                     r, read = pending.popleft()
-                    yield r.get(), read
+                    yield result(r), read
             while pending:
                 r, read = pending.popleft()
-                yield r.get(), read
+                yield result(r), read
 
         yield run
 

@@ -308,6 +308,28 @@ MUTANTS = [
      '            s["repeat"] = seen[k]', '            s["repeat"] = 1', ["tests/test_analysis.py"]),
     ("flops --match --json drops the solved knob", "mode/cli.py",
      'print(json.dumps({**c, "match": solved} if a.match else c))', "print(json.dumps(c))", ["tests/test_flops.py"]),
+    # Session 13: a review, a fault injector, an MoE/FLOP-matching audit
+    ("run.dir x/.. not folded (every check skipped)", "mode/config.py",
+     "    return os.path.normpath(os.path.expanduser(p)) if p.strip() else p", "    return os.path.expanduser(p)", CKPT),
+    ("YAML keys that are not strings reach difflib (TypeError)", "mode/config.py",
+     "        if not isinstance(k, str):  # YAML reads", "        if False:  # YAML reads", CKPT),
+    ("processed fraction from the logs at the nominal capacity, not k/S", "mode/plan.py",
+     "return 1.0 if r is None else capacity_k(r.capacity, seq_len) / seq_len", "return 1.0 if r is None else r.capacity",
+     ["tests/test_analysis.py"]),
+    ("a resumed run's points past the resume kept", "analysis/tb.py",
+     "        return any(wall < lim[0] and step > lim[at] for lim in limits)", "        return False",
+     ["tests/test_analysis.py"]),
+    ("threshold runs report the sign rule's accuracy", "analysis/report.py",
+     'for name in ("predictor_acc", "threshold_acc", "router_causal_acc"):',
+     'for name in ("predictor_acc", "router_causal_acc", "threshold_acc"):', ["tests/test_analysis.py"]),
+    ("isoFLOP points from runs not evaluated at their budget", "analysis/isoflop.py",
+     'return pts[-1].value if pts else run.last("eval/loss") if run.done else None', 'return run.last("eval/loss")',
+     ["tests/test_analysis.py"]),
+    ("an I/O error mid-prepare taken for bad input", "mode/prepare.py",
+     "        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno is not None):",
+     "        if False:", ["tests/test_data.py"]),
+    ("torchrun on several nodes without a master address", "launch/run.py",
+     'if a.launcher == "torchrun" and a.num_nodes > 1 and not a.master_addr:', "if False:", ["tests/test_launch.py"]),
 ]
 
 

@@ -1223,3 +1223,39 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
     mode_cli("train", *train)
     assert json.loads((path / "manifest.json").read_text())["splits"] == splits
     assert scalars(tmp_path / "run", "train/loss")
+
+
+@pytest.mark.slow
+def test_a_tokenizer_worker_that_dies_ends_the_prepare_in_one_line():
+    """Bug caught: with multiprocessing.Pool a worker that died (killed, out of memory) lost its task
+    and the prepare waited for it forever, holding the prepare lock every later start waits on
+    (seen: trainers stuck for an hour). The pool now breaks and the prepare stops in one line."""
+    import signal
+    import threading
+
+    def workers() -> list[int]:
+        kids = []
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        return [k for k in kids if b"multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes()
+                and b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+    out: dict = {}
+
+    def consume(it):
+        try:
+            for _ in it:
+                pass
+        except RuntimeError as e:
+            out["error"] = str(e)
+
+    docs = (f"document {i} " * 400 for i in range(200_000))  # a few hundred batches
+    with prep.encoder(prep.ByteTokenizer(), 2) as run:
+        it = run(docs)
+        next(it)  # both workers up and busy
+        os.kill(workers()[0], signal.SIGKILL)
+        t = threading.Thread(target=consume, args=(it,), daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the prepare waits for the dead worker's batch forever"
+    assert "tokenizer worker process died" in out.get("error", ""), out

@@ -134,7 +134,10 @@ def trainer_script(tmp_path: Path, args: dict, threads: int = 2, **kw) -> subpro
 
 def run_script(tmp_path: Path, args: dict, threads: int = 2) -> dict:
     p = trainer_script(tmp_path, args, threads)
-    out, err = p.communicate(timeout=300)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()  # a timed-out script must not train on as an orphan (no-op once it has exited)
     assert p.returncode == 0, err[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert line, out + err[-3000:]
