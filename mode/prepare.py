@@ -458,9 +458,10 @@ def encoder(tok, workers: int):
         try:
             return fut.result()
         except BrokenProcessPool:
-            raise RuntimeError("a tokenizer worker process died (killed, or out of memory: see `dmesg`); "
-                               "run the prepare again to resume after its last complete shard, or lower "
-                               "data.num_workers") from None
+            raise RuntimeError("a tokenizer worker process died (killed, out of memory: see `dmesg`, or, from "
+                               "your own script, one without `if __name__ == \"__main__\":`, which each spawned "
+                               "worker runs again); run the prepare again to resume after its last complete "
+                               "shard, or lower data.num_workers") from None
 
     # Not multiprocessing.Pool: a worker that dies there loses its task and the prepare waits for it
     # forever; here the pool breaks and the next result says so.

@@ -17,7 +17,7 @@ import yaml
 
 from tests.test_launch import (COMMON, EP, EP_CONFIG, kill_groups, logs, processes_mentioning, rank_pid, run_two_nodes,
                                start_two_nodes, wait_all)
-from tests.util import PY, ROOT, TINY, env, free_port, mode_cli, scalars, side_by_side
+from tests.util import PY, ROOT, TINY, env, free_port, main_guarded, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -126,7 +126,7 @@ SCRIPT = textwrap.dedent('''
 
 def trainer_script(tmp_path: Path, args: dict, threads: int = 2, **kw) -> subprocess.Popen:
     script = tmp_path / "fault_script.py"
-    script.write_text(SCRIPT)
+    script.write_text(main_guarded(SCRIPT))
     e = dict(env(threads), PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.Popen([PY, str(script), json.dumps(args)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)

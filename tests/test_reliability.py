@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.malformed import all_cases, run_case
-from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, mode_cli, scalars, side_by_side
+from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, main_guarded, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -1175,7 +1175,7 @@ except ckpt.CheckpointError as e:
 def test_a_nonfinite_state_is_never_saved_and_the_good_checkpoint_survives(tmp_path):
     d = tmp_path / "run"
     script = tmp_path / "nan.py"
-    script.write_text(NAN_SCRIPT)
+    script.write_text(main_guarded(NAN_SCRIPT))
     args = {"config": CFG, "poison_after": 3,
             "overrides": [*TINY, "train.max_steps=8", "train.eval_every=0", "checkpoint.every=2", "checkpoint.keep=1",
                           "train.max_consecutive_nonfinite=9", f"run.dir={d}"]}

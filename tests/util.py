@@ -163,3 +163,13 @@ def fake_run(tmp_path, preset, name="run"):
     fake_checkpoint(run, 3, model.state_dict())
     (run / "config.yaml").write_text(dump_config(cfg))
     return model, run
+
+
+def main_guarded(src: str) -> str:
+    """A script's body under `if __name__ == "__main__":`. A data prepare's tokenizer workers are
+    spawned, and a spawned process imports the parent's main script (as __mp_main__): unguarded,
+    each worker started a second Trainer, which found the run.dir in use and exited, and the
+    prepare lost its workers (a script run from a fresh checkout, before the data was prepared)."""
+    import textwrap
+
+    return 'if __name__ == "__main__":\n' + textwrap.indent(textwrap.dedent(src), "    ")
