@@ -204,7 +204,7 @@ MUTANTS = [
     ("a full disk at a metrics write names the cwd", "mode/loggers.py",
      "            e.filename = e.filename or str(self.run_dir)", "            pass", CKPT),
     ("a project folder with its own checkpoints/ is taken for a run", "mode/rundir.py",
-     "is_mode_run(d, below.name if below is not None else None)", "any((d / s).exists() for s in SIGNATURES)",
+     "is_mode_run(d, below.name if below is not None else None, proofs)", "any((d / s).exists() for s in proofs)",
      ["tests/test_compare.py"]),
     ("eval's default --out replaces a user's file", "mode/harness.py",
      "    if out.exists() and not written_by_mode_eval(out):", "    if explicit and out.exists() and not written_by_mode_eval(out):",
