@@ -71,17 +71,27 @@ def write_atomic(path: Path, text: str) -> None:
 def parents_made(d: Path, undo_on: tuple = (BaseException,)):
     """`mkdir -p d` for the block; if it raises one of `undo_on`, the directories this made are
     removed again (innermost first, only while empty): a refused command leaves no empty folders."""
-    made = [p for p in (d, *d.parents) if not p.exists()]  # innermost first
+    made = missing_dirs(d)
     d.mkdir(parents=True, exist_ok=True)
     try:
         yield d
     except undo_on:
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        remove_made(made)
         raise
+
+
+def missing_dirs(d: Path) -> list[Path]:
+    """d and its parents that do not exist yet, innermost first (what a `mkdir -p d` would make)."""
+    return [p for p in (d, *d.parents) if not p.exists()]
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories a command made (missing_dirs), innermost first, only while empty."""
+    for p in made:
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _is_within(a: Path, b: Path) -> bool:

@@ -232,7 +232,7 @@ class Trainer:
         self.lock, made = None, []
         if self.rank == 0:
             was_run = rundir.is_mode_run(self.run_dir)  # before our LOCK makes any directory look like one
-            made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # innermost first
+            made = rundir.missing_dirs(self.run_dir)
             self.lock = rundir.DirLock(self.run_dir)  # held until this process ends
             if cfg.run.fresh and was_run:  # preflight refused any other non-empty directory
                 rundir.empty_run_dir(self.run_dir)
@@ -244,11 +244,7 @@ class Trainer:
             if made:  # a start that never trained (out of memory building the model, ...) leaves no new
                 self.lock.release()  # run.dir behind: the corrected command would find it "in use" or
                 (self.run_dir / rundir.LOCK).unlink(missing_ok=True)  # another run's
-                for p in made:
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        break
+                rundir.remove_made(made)
             raise
         self.log = Loggers(cfg, self.run_dir, self.rank == 0, self.step)
         self._log_start(cfg, saved)
