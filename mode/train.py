@@ -258,6 +258,7 @@ class Trainer:
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
         self.model.activation_checkpointing = cfg.train.activation_checkpointing == "block"
         self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world)
+        self.threshold_bufs = eng.threshold_buffers(self.model)  # once: not a module walk every step
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * self.world * cfg.data.seq_len
         self.flops = count_flops(cfg)
@@ -377,7 +378,7 @@ class Trainer:
     def train_step(self, acc: Accumulator) -> None:
         t = self.cfg.train
         skipped_before = self.engine.skipped_steps
-        ema_before = [b.clone() for b in eng.threshold_buffers(self.model)]
+        ema_before = [b.clone() for b in self.threshold_bufs]
         for micro in range(t.grad_accum):
             x, y = (b.to(self.dev) for b in self.data.train_batch(self.step, micro, t.micro_batch_size, t.grad_accum))
             out = self.engine(x, y)
@@ -387,7 +388,7 @@ class Trainer:
             acc.add({"train/loss": out.loss, "train/aux_loss": out.aux_loss, **out.metrics})
         skipped = self.engine.skipped_steps > skipped_before
         if skipped:  # the thresholds' EMA stepped in the forward: undo it as DeepSpeed undid the weights'
-            for b, saved in zip(eng.threshold_buffers(self.model), ema_before):  # (a NaN would stay for good)
+            for b, saved in zip(self.threshold_bufs, ema_before):  # (a NaN would stay for good)
                 b.copy_(saved)
         eng.average_thresholds(self.model)
         self.step += 1
