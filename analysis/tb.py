@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import yaml
 
-from mode.config import flatten
+from mode.config import EXECUTION_KEYS, flatten
 from mode.routed import TRAIN_FLOPS_PER_FORWARD_FLOP  # noqa: F401  (the trainer's convention; report/isoflop use it)
 
 EVENT_GLOB = "events.out.tfevents.*"
@@ -387,10 +387,7 @@ def skipped_line(skipped: list[tuple[Path, str]]) -> str:
 # its data is read and its activations kept (the same tokens, the same math: a seed resumed with more
 # tokenizer workers or with activation checkpointing is still a seed of its variant); everything else
 # (model, data, tokenizer, steps, batch, optimizer, precision) and the world size do.
-NOT_COMPARED = ("train.seed", "run.", "log.", "checkpoint.", "perf.", "train.stop_at", "train.log_every",
-                "train.eval_every", "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite",
-                "data.num_workers", "data.prepared_dir", "data.shard_tokens", "train.activation_checkpointing",
-                "train.compile")
+NOT_COMPARED = ("train.seed",) + EXECUTION_KEYS
 
 
 def config_signature(run: RunLog) -> dict:

@@ -43,6 +43,15 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(key, value, allowed)
 
 
+# Keys (dotted prefixes) that change how a run is executed, where it lives, how it logs, saves and
+# reads its data, never what it computes: a run may be resumed with other values (mode/train.py),
+# and `mode analyze` averages runs that differ only in these and the seed (analysis/tb.py).
+EXECUTION_KEYS = ("run.", "log.", "checkpoint.", "perf.", "train.stop_at", "train.log_every", "train.eval_every",
+                  "train.allow_schedule_change", "train.nonfinite", "train.max_consecutive_nonfinite",
+                  "data.num_workers", "data.prepared_dir", "data.shard_tokens", "train.activation_checkpointing",
+                  "train.compile")
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     """Nested config dict -> {"a.b.c": value} (the dotted keys overrides and diffs use)."""
     out = {}

@@ -57,11 +57,6 @@ def windows(stream: list[int], start: int, max_len: int) -> list[tuple[list[int]
     return out
 
 
-def rolling_windows(ids: list[int], eos_id: int, max_len: int) -> list[tuple[list[int], int]]:
-    """Windows over the document stream EOS + ids that score every token of ids once."""
-    return windows([eos_id] + list(ids), 1, max_len)
-
-
 def rows_independent(model, routing: str) -> bool:
     """True when a row's log-probs do not depend on the other rows (or the trailing padding) of its
     batch: causal routing decides each token from its own row's prefix, and expert layers at

@@ -22,7 +22,7 @@ import yaml
 from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import console, rundir
-from mode.config import Config, ConfigError, dump_config, flatten, load_config
+from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config
 from mode.data import DataModule, check_data
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
@@ -31,10 +31,7 @@ from mode.model import build_model
 from mode.plan import has_moe, layer_plan, routes_at_sampling
 
 # Keys that may change between a run and its resumption; anything else is a different experiment.
-RESUMABLE_KEYS = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_batches", "train.log_every",
-                  "train.nonfinite", "train.max_consecutive_nonfinite", "checkpoint.", "log.", "run.",
-                  "model.moe.ep_size", "data.num_workers", "data.prepared_dir", "data.shard_tokens",
-                  "train.activation_checkpointing", "train.compile", "train.allow_schedule_change", "perf.")
+RESUMABLE_KEYS = EXECUTION_KEYS + ("train.max_steps", "train.eval_batches", "model.moe.ep_size")
 # Keys the LR schedule is computed from (mode/engine.py lr_lambda): changing one on resume
 # recomputes the schedule at the resumed step, so it needs train.allow_schedule_change.
 SCHEDULE_KEYS = ("train.max_steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio")

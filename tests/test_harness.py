@@ -19,7 +19,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from mode.cli import main as cli_main  # noqa: E402
 from mode.data import ByteTokenizer  # noqa: E402
 from mode.generate import generate_ids  # noqa: E402
-from mode.harness import ModeLM, rolling_windows  # noqa: E402
+from mode.harness import ModeLM, windows  # noqa: E402
 from tests.util import HARNESS_L as L  # noqa: E402
 from tests.util import HARNESS_PRESETS, ROOT, fake_run, mode_cli, tiny_model  # noqa: E402
 
@@ -59,7 +59,7 @@ DOCS = ["def f(x):\n    return x + 1\n", "a" * 5, "import os\n" * 9, "x = [i * i
 def test_rolling_windows_score_every_token_once():
     for n in (1, 5, L - 1, L, L + 1, 2 * L, 2 * L + 7):
         ids = list(range(100, 100 + n))
-        wins = rolling_windows(ids, -1, L)
+        wins = windows([-1] + ids, 1, L)  # a rolling document: EOS, then its tokens
         scored = []
         for inp, k in wins:
             assert 1 <= len(inp) <= L and 1 <= k <= len(inp)
