@@ -132,3 +132,51 @@ def test_bf16_stage0_clips_expert_parallel_ranks_by_one_global_norm():
     assert res[0][1] == "FP16_UnfusedOptimizer"  # the wrapped path this test is about
     assert res[0][2] == res[1][2] and all(n > 0.01 for n in res[0][2]), res  # one global norm; clipping applies
     assert res[0][3] and res[1][3], res
+
+
+def _two_rank_copy_weights(rank, port, out):
+    import os
+
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from mode import engine as eng
+    from mode.moe.deepspeed import DeepSpeedMoE, copy_moe_weights
+    from tests.test_moe import model_cfg, native
+
+    eng.init_distributed()
+    cfg = model_cfg(num_experts=4, top_k=2, capacity_factor=None, backend="deepspeed", ep_size=2)
+    nat = native(cfg)  # seed 0 on both ranks: one layer, all 4 experts
+    torch.manual_seed(5 + rank)
+    ds = DeepSpeedMoE(cfg, 0)  # experts 2*rank, 2*rank+1 of its own init; no forward yet
+    copy_moe_weights(nat, ds)
+    torch.manual_seed(7)
+    x = torch.randn(2, 24, 16)
+    with torch.no_grad():
+        err = (ds(x) - nat(x)).abs().max().item()
+    back = native(cfg, seed=3)
+    copy_moe_weights(ds, back)  # this rank's experts, by global index
+    mine = range(2 * rank, 2 * rank + 2)
+    out.put((rank, err, all(torch.equal(back.w_in[g], nat.w_in[g]) and torch.equal(back.w_out[g], nat.w_out[g])
+                            for g in mine)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_copy_moe_weights_places_experts_by_global_index_across_expert_parallel_ranks():
+    """Bug caught: before its first forward a DeepSpeed layer has no expert-parallel group yet, so
+    copy_moe_weights took every rank's local experts for experts 0..1: rank 1 computed with the
+    wrong experts. With ep_size 2 each rank must hold its own experts (2r, 2r+1), the layer must
+    then equal the native one, and copying back must return those experts."""
+    import torch.multiprocessing as mp
+
+    from tests.util import free_port
+
+    q = mp.get_context("spawn").Queue()
+    mp.start_processes(_two_rank_copy_weights, args=(free_port(), q), nprocs=2, start_method="spawn")
+    res = sorted(q.get(timeout=120) for _ in range(2))
+    assert all(err < 1e-5 and back_ok for _, err, back_ok in res), res
