@@ -132,6 +132,13 @@ def write_manifest(d: Path, step: int) -> None:
 
 def verify(d: Path) -> str | None:
     """None if every file the manifest lists is there with its size and checksum; else what is wrong."""
+    try:
+        return _verify(d)
+    except FileNotFoundError:  # a reader (sampling from a live run) met the run's rotation deleting it
+        return "removed while it was being read (a live run's checkpoint.keep rotation)"
+
+
+def _verify(d: Path) -> str | None:
     m = d / MANIFEST
     if not m.is_file():
         return "no manifest: its save never finished" if any(d.iterdir()) else "empty directory"

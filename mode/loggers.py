@@ -47,12 +47,14 @@ def _row_after(line: str, step: int) -> bool:
 class Loggers:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int = 0):
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int | None = None):
+        """resumed_step: None for a new run, else the step this start continues the run from (0: a run
+        stopped before its first checkpoint starts over and logs from step 0 again)."""
         self.enabled, self.tb, self.wandb, self.jsonl, self.run_dir = enabled, None, None, None, run_dir
         if not enabled:
             return
-        if resumed_step:
-            drop_rows_after(run_dir / "metrics.jsonl", resumed_step)
+        if resumed_step is not None:
+            drop_rows_after(run_dir / "metrics.jsonl", resumed_step if resumed_step else -1)
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"))

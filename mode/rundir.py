@@ -38,7 +38,7 @@ LOCK = "LOCK"
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
              "report",  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
-             ".config.yaml.tmp", ".run_info.json.tmp"}  # write_atomic's, left by a crash mid-write
+             ".config.yaml.tmp", ".run_info.json.tmp", ".metrics.jsonl.tmp"}  # write_atomic's, left by a crash mid-write
 # (deepspeed_env: launch/run.py wrote DeepSpeed's env file into run.dir before it used a temporary
 # directory; runs started then still hold one and must stay resumable)
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
@@ -60,11 +60,15 @@ def write_atomic(path: Path, text: str) -> None:
     """Replace `path` whole or not at all (a crash mid-write of config.yaml would leave the run
     unresumable): write `.<name>.tmp` beside it, fsync, rename over it."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: leave nothing a later start would take for a foreign file
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

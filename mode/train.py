@@ -243,7 +243,7 @@ class Trainer:
                 (self.run_dir / rundir.LOCK).unlink(missing_ok=True)  # another run's
                 rundir.remove_made(made)
             raise
-        self.log = Loggers(cfg, self.run_dir, self.rank == 0, self.step)
+        self.log = Loggers(cfg, self.run_dir, self.rank == 0, None if saved is None else self.step)
         self._log_start(cfg, saved)
 
     def _build(self, cfg: Config, saved: dict | None) -> None:
@@ -285,9 +285,8 @@ class Trainer:
                 info["schedule_changes"] = changes
             # every resume's point and time: what an earlier process logged past it, before it, is not
             # this run's series (analysis/tb.py drops it; metrics.jsonl had it dropped above)
-            resumes = (self._saved_info().get("resumes") or []) if saved else []
-            if self.step:
-                resumes = [*resumes, self.resumed]
+            # (a restart at step 0, before the first checkpoint, included: it logs every step again)
+            resumes = [*(self._saved_info().get("resumes") or []), self.resumed] if saved is not None else []
             if resumes:
                 info["resumes"] = resumes
             rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
@@ -358,7 +357,9 @@ class Trainer:
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again
             self.sched.last_epoch = client.get("lr_steps", self.step) - 1
-            self.sched.step()
+            with warnings.catch_warnings():  # torch warns of a step before optimizer.step(): here it is meant
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                self.sched.step()
         self.elapsed_s = client.get("elapsed_s", 0.0)
         if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
             self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)

@@ -497,8 +497,17 @@ def test_config_and_run_info_are_replaced_whole(tmp_path, monkeypatch):
         rundir.write_atomic(run / "config.yaml", "model: {d_model: 64}\n" * 1000)  # the crash, mid-write
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert (run / "config.yaml").read_text() == "model: {d_model: 32}\n"
-    assert rundir.is_mode_run(run)  # the leftover .config.yaml.tmp is the run's, not a foreign entry
-    rundir.check(str(run), False, lock=False)
+    # Bug caught: the failed write left .config.yaml.tmp behind; a start that failed so in a run.dir it
+    # had made then could not remove the directory, and every later start (fresh too) refused it as
+    # holding a file mode did not write. A write that fails removes its temporary file.
+    assert sorted(p.name for p in run.iterdir()) == ["LOCK", "config.yaml"]
+    # A kill mid-write leaves it: each file written so (train.py: config.yaml, run_info.json; loggers.py:
+    # metrics.jsonl, rewritten on resume) leaves one the run dir checks must take for the run's own.
+    for name in ("config.yaml", "run_info.json", "metrics.jsonl"):
+        (run / f".{name}.tmp").write_text("partial")
+        assert rundir.is_mode_run(run)
+        rundir.check(str(run), False, lock=False)
+        rundir.check(str(run), True, lock=False)  # fresh may empty it
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(tmp_path):
@@ -849,6 +858,28 @@ def test_changing_the_moe_backend_is_not_a_resumption(tmp_path):
     assert check_run_dir(load_config(CFG, [*TINY, *moe, "train.compile=true"])) is not None
 
 
+def test_a_reader_falls_back_past_a_checkpoint_rotated_away_while_it_reads(tmp_path, monkeypatch):
+    """Bug caught: sampling from a live run lists its checkpoints, and the run's checkpoint.keep
+    rotation may delete one before it is verified: verify raised FileNotFoundError and `mode
+    generate` failed instead of reporting it and taking the next one."""
+    from mode import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    older = fake_checkpoint(run, 2, {"w": torch.zeros(3)})
+    rotated = fake_checkpoint(run, 4, {"w": torch.ones(3)})
+    listed = ckpt.step_dirs
+
+    def listed_then_rotated(root):
+        dirs = listed(root)
+        shutil.rmtree(rotated)  # the training process, between the reader's listing and its read
+        return dirs
+
+    monkeypatch.setattr(ckpt, "step_dirs", listed_then_rotated)
+    lines = []
+    assert ckpt.newest_weights(run, log=lines.append) == older
+    assert len(lines) == 1 and "step_00000004" in lines[0] and "removed while it was being read" in lines[0], lines
+
+
 def test_a_manifest_damaged_inside_still_parsing_falls_back(tmp_path):
     """Bug caught: a manifest whose JSON parsed but whose entries were damaged ("bztes" for "bytes",
     a list for the file table) crashed the resume with KeyError instead of falling back; and a
@@ -1133,6 +1164,30 @@ def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how, st
     logged = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert len(logged) == len([r for r in rows if "train/loss" in r]) and logged == pytest.approx(a, rel=1e-6), rows
     assert [r["step"] for r in json.loads((d / "run_info.json").read_text())["resumes"]] == [4]
+
+
+@pytest.mark.slow
+def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path, stopped_at_6):
+    """Bug caught: a run killed before its first checkpoint starts over at step 0, and that start was
+    not taken for a resume: metrics.jsonl kept the dead process's rows beside the new ones (steps
+    logged twice, and steps the new process never trained), and run_info.json recorded no resume,
+    so `mode analyze` showed the dead process's points past where the new one stopped."""
+    from analysis.tb import load_run_log
+
+    d = tmp_path / "run"
+    shutil.copytree(stopped_at_6 / "ref", d)  # its logs (steps 3, 6, 8) stand for the dead process's
+    shutil.rmtree(d / "checkpoints")
+    (d / "DONE").unlink()
+    train_1t(*CKPT_RUN, "train.stop_at=4", f"run.dir={d}")
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [3], rows
+    assert [r["step"] for r in json.loads((d / "run_info.json").read_text())["resumes"]] == [0]
+    assert [p.step for p in load_run_log(d).scalars["train/loss"]] == [3]
+    train_1t(*CKPT_RUN, f"run.dir={d}")  # and on to the end: one row per logged step, the reference's
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+    ref = scalars(stopped_at_6 / "ref", "train/loss")
+    assert [s for s, _ in logged] == [3, 6, 8] and dict(logged) == pytest.approx(ref, rel=1e-6), logged
 
 
 @pytest.mark.slow
