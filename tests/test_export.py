@@ -171,6 +171,29 @@ def test_export_takes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_export_whose_tokenizer_file_vanished_says_it_could_not_read_it(tmp_path, capsys, monkeypatch):
+    """Bug caught: any OSError during the export was reported as the output's ("cannot write OUT:
+    FileNotFoundError ..."), also when the run's tokenizer file it copies was gone."""
+    _hf_tokenizer(tmp_path / "tok")
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", HARNESS_SMALL + [f"data.tokenizer={tmp_path / 'tok'}"])
+    fake_checkpoint(tmp_path / "run", 1, build_model(cfg.model).state_dict())
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    import mode.generate as gen
+
+    real = gen.load_run
+
+    def then_deleted(*a, **kw):  # the tokenizer is read, then removed before the export copies it
+        got = real(*a, **kw)
+        (tmp_path / "tok" / "tokenizer.json").unlink()
+        return got
+
+    monkeypatch.setattr(gen, "load_run", then_deleted)
+    assert cli_main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot read {tmp_path / 'tok' / 'tokenizer.json'}: No such file"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists(), err
+
+
 def test_export_to_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     """Bug caught: safetensors reports a full disk as its own error type, with the OS error only in
     its text: `error: SafetensorError: Error while serializing: I/O error: No space left on device
