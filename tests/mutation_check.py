@@ -330,6 +330,15 @@ MUTANTS = [
      "        if False:", ["tests/test_data.py"]),
     ("torchrun on several nodes without a master address", "launch/run.py",
      'if a.launcher == "torchrun" and a.num_nodes > 1 and not a.master_addr:', "if False:", ["tests/test_launch.py"]),
+    # Session 14: a review of session 13's changes
+    ("a failed atomic write leaves its temporary file (the run.dir refused for good)", "mode/rundir.py",
+     "        tmp.unlink(missing_ok=True)\n        raise", "        raise", CKPT),
+    ("metrics.jsonl's rewrite temp file is not a run artefact", "mode/rundir.py",
+     ', ".metrics.jsonl.tmp"}', "}", CKPT),
+    ("a checkpoint rotated away while a reader verifies it fails the reader", "mode/checkpoint.py",
+     "    except FileNotFoundError:  # a reader", "    except ZeroDivisionError:  # a reader", CKPT),
+    ("export blames its output for a file it could not read", "mode/export.py",
+     "            if read:  # a file it copies", "            if False:  # a file it copies", ["tests/test_export.py"]),
 ]
 
 
