@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 
 import torch
 from common import append_results
 
-from mode.config import load_config
-from mode.engine import GuardedAdamW, param_groups
-from mode.model.lm import build_model
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)  # this checkout's mode, not whichever one an editable install points to
+from mode.config import load_config  # noqa: E402
+from mode.engine import GuardedAdamW, param_groups  # noqa: E402
+from mode.model.lm import build_model  # noqa: E402
 
 KERNELS = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "data.seq_len=1024",
@@ -28,7 +31,7 @@ D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_laye
 
 
 def model_and_opts(overrides, dev):
-    cfg = load_config("configs/tiny/mod.yaml", overrides)
+    cfg = load_config(os.path.join(ROOT, "configs/tiny/mod.yaml"), overrides)
     torch.manual_seed(0)
     model = build_model(cfg.model).to(dev)
     opts = {k: GuardedAdamW(param_groups(model, 0.1), clip=1.0, names={}, lr=1e-4, **kw) for k, kw in KERNELS.items()}
