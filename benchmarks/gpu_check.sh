@@ -27,6 +27,10 @@ step() {
 }
 OUT=${1:-${OUT:-gpu_check_out}}
 PART=${2:-all}
+if [[ ! $PART =~ ^(1|2|3|all)$ ]]; then  # a typo must not pass as "every step passed" on a lent machine
+  echo "gpu_check.sh: part '$PART' is not 1, 2, 3 or all (usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all])" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1

@@ -68,9 +68,8 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
             io = _io_error(e)
             if io is None:
                 raise
-            read = io.filename and not any(Path(os.path.abspath(io.filename)).is_relative_to(p.absolute())
-                                           for p in (tmp, out))
-            if read:  # a file it copies (the run's tokenizer) vanished or is unreadable: not the disk's fault
+            if io.filename in {str(src) for src, _ in tok_files}:  # a file it copies (the run's tokenizer)
+                # vanished or is unreadable: not the output's fault
                 raise ExportError(f"cannot read {io.filename}: {io.strerror or io}; nothing was written to {out}") from e
             from mode.checkpoint import io_cause  # after the cleanup: the free space a rerun would find
 
