@@ -82,20 +82,41 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     assert list(ca) == list(cb) == [0, 4] and cb[4] == pytest.approx(ca[4], rel=1e-5), (ca, cb)
 
 
-def _two_rank_bf16_expert_clip(rank, port, out):
+def _rank_main(rank, port, out, body):
+    """One of two spawned ranks: join a gloo world of 2 (one thread each), put body(rank) on `out`."""
     import os
 
     import torch
-    import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from mode import engine as eng
+
+    eng.init_distributed()
+    out.put(body(rank))
+    torch.distributed.destroy_process_group()
+
+
+def on_two_ranks(body) -> list:
+    """body(rank) (a module-level function) run in two spawned processes forming one world; results by rank."""
+    import torch.multiprocessing as mp
+
+    from tests.util import free_port
+
+    q = mp.get_context("spawn").Queue()
+    mp.start_processes(_rank_main, args=(free_port(), q, body), nprocs=2, start_method="spawn")
+    return sorted(q.get(timeout=120) for _ in range(2))
+
+
+def _bf16_expert_clip(rank):
+    import torch
+    import torch.distributed as dist
+
+    from mode import engine as eng
     from mode.config import load_config
     from mode.model import build_model
 
-    eng.init_distributed()
     cfg = load_config(CFG, [*MOE, "model.moe.ep_size=2", "deepspeed.precision=bf16", "deepspeed.zero_stage=0",
                             "optim.grad_clip=0.01", "optim.warmup_steps=1"])
     torch.manual_seed(0)
@@ -112,8 +133,7 @@ def _two_rank_bf16_expert_clip(rank, port, out):
     shared = torch.cat([p.detach().float().flatten() for p in model.parameters() if getattr(p, "allreduce", True)])
     both = [torch.empty_like(shared) for _ in range(2)]
     dist.all_gather(both, shared)
-    out.put((rank, type(opt).__name__, norms, torch.equal(both[0], both[1])))
-    dist.destroy_process_group()
+    return rank, type(opt).__name__, norms, torch.equal(both[0], both[1])
 
 
 @pytest.mark.slow
@@ -123,34 +143,18 @@ def test_bf16_stage0_clips_expert_parallel_ranks_by_one_global_norm():
     looked shared, each rank clipped by a norm over its own experts only, and the replicated
     weights differed across ranks after the first clipped step. Both ranks must report one global
     norm and hold identical shared weights."""
-    import torch.multiprocessing as mp
-
-    from tests.util import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_two_rank_bf16_expert_clip, args=(free_port(), q), nprocs=2, start_method="spawn")
-    res = sorted(q.get(timeout=120) for _ in range(2))
+    res = on_two_ranks(_bf16_expert_clip)
     assert res[0][1] == "FP16_UnfusedOptimizer"  # the wrapped path this test is about
     assert res[0][2] == res[1][2] and all(n > 0.01 for n in res[0][2]), res  # one global norm; clipping applies
     assert res[0][3] and res[1][3], res
 
 
-def _two_rank_copy_weights(rank, port, out):
-    import os
-
+def _copy_weights(rank):
     import torch
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from mode import engine as eng
     from mode.moe.deepspeed import DeepSpeedMoE, copy_moe_weights
     from tests.test_moe import model_cfg, native
 
-    eng.init_distributed()
     cfg = model_cfg(num_experts=4, top_k=2, capacity_factor=None, backend="deepspeed", ep_size=2)
     nat = native(cfg)  # seed 0 on both ranks: one layer, all 4 experts
     torch.manual_seed(5 + rank)
@@ -163,9 +167,8 @@ def _two_rank_copy_weights(rank, port, out):
     back = native(cfg, seed=3)
     copy_moe_weights(ds, back)  # this rank's experts, by global index
     mine = range(2 * rank, 2 * rank + 2)
-    out.put((rank, err, all(torch.equal(back.w_in[g], nat.w_in[g]) and torch.equal(back.w_out[g], nat.w_out[g])
-                            for g in mine)))
-    dist.destroy_process_group()
+    return rank, err, all(torch.equal(back.w_in[g], nat.w_in[g]) and torch.equal(back.w_out[g], nat.w_out[g])
+                          for g in mine)
 
 
 @pytest.mark.slow
@@ -174,11 +177,5 @@ def test_copy_moe_weights_places_experts_by_global_index_across_expert_parallel_
     copy_moe_weights took every rank's local experts for experts 0..1: rank 1 computed with the
     wrong experts. With ep_size 2 each rank must hold its own experts (2r, 2r+1), the layer must
     then equal the native one, and copying back must return those experts."""
-    import torch.multiprocessing as mp
-
-    from tests.util import free_port
-
-    q = mp.get_context("spawn").Queue()
-    mp.start_processes(_two_rank_copy_weights, args=(free_port(), q), nprocs=2, start_method="spawn")
-    res = sorted(q.get(timeout=120) for _ in range(2))
+    res = on_two_ranks(_copy_weights)
     assert all(err < 1e-5 and back_ok for _, err, back_ok in res), res
