@@ -71,12 +71,16 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> List[int]:
     """`none` | `every` | `every_other` (odd layers: the first block stays dense) | explicit indices."""
     if isinstance(spec, list):
         return sorted(set(spec))
-    return {"none": [], "every": list(range(n_layers)), "every_other": list(range(1, n_layers, 2))}[spec]
+    start, step = {"none": (n_layers, 1), "every": (0, 1), "every_other": (1, 2)}[spec]
+    return list(range(start, n_layers, step))
 
 
 def _check_layers(spec: LayerSpec, key: str, n_layers: int) -> None:
     if isinstance(spec, str):
         _check(spec in LAYER_SPECS, key, spec, f"one of {', '.join(LAYER_SPECS)} or a list of layer indices")
+        # a preset's `every_other` on a 1-layer model would silently train (and be labelled) a dense model
+        _check(spec != "every_other" or n_layers >= 2, key, spec,
+               f"none, every or a list of layer indices with model.n_layers={n_layers} (every_other routes no layer)")
     else:
         _check(all(0 <= i < n_layers for i in spec), key, spec, f"layer indices in [0, {n_layers})")
 
@@ -141,6 +145,10 @@ class ModConfig:
         _check(self.aux_loss_weight >= 0, "model.mod.aux_loss_weight", self.aux_loss_weight, ">= 0")
         _check(self.predictor_loss_weight >= 0, "model.mod.predictor_loss_weight", self.predictor_loss_weight, ">= 0")
         _check(self.predictor_hidden >= 0, "model.mod.predictor_hidden", self.predictor_hidden, ">= 0")
+        if n_routed:  # a zero weight leaves the causal router untrained (the predictor's input is detached)
+            for name, modes in (("aux_loss_weight", ("aux_loss", "both")), ("predictor_loss_weight", ("predictor", "both"))):
+                _check(self.causal not in modes or getattr(self, name) > 0, f"model.mod.{name}", getattr(self, name),
+                       f"> 0 with model.mod.causal={self.causal} (it is that router's only training signal)")
 
 
 @dataclass
@@ -192,12 +200,13 @@ class MoEConfig:
         _check(self.d_expert >= 0, k + "d_expert", self.d_expert, ">= 0")
         for name in ("capacity_factor", "eval_capacity_factor", "inference_capacity_factor"):
             v = getattr(self, name)
-            _check(v is None or v > 0, k + name, v, "null (dropless) or > 0")
+            # capacity saturates at num_experts / top_k (nothing dropped); the bound keeps DeepSpeed's float32 finite
+            _check(v is None or 0 < v <= 1e6, k + name, v, "null (dropless) or in (0, 1e6]")
         _check(self.min_capacity >= 0, k + "min_capacity", self.min_capacity, ">= 0")
         _check(self.drop_policy in ("position", "probability"), k + "drop_policy", self.drop_policy,
                "position or probability")
         _check(self.noop_balance in ("exclude", "include"), k + "noop_balance", self.noop_balance, "exclude or include")
-        _check(self.jitter >= 0, k + "jitter", self.jitter, ">= 0")
+        _check(0 <= self.jitter < 1, k + "jitter", self.jitter, "in [0, 1) (the router input is scaled by U(1 - jitter, 1 + jitter))")
         _check(self.lb_loss_weight >= 0, k + "lb_loss_weight", self.lb_loss_weight, ">= 0")
         _check(self.z_loss_weight >= 0, k + "z_loss_weight", self.z_loss_weight, ">= 0")
         _check(self.backend in ("native", "deepspeed", "megablocks"), k + "backend", self.backend,
@@ -301,6 +310,8 @@ class DataConfig:
         _check(0 <= self.split_seed < 2**32, "data.split_seed", self.split_seed, "an integer in [0, 2**32)")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 (0 = the machine's cores)")
         _check(self.shard_tokens >= 1, "data.shard_tokens", self.shard_tokens, ">= 1")
+        _check(self.tokenizer != "byte" or not self.eos_token, "data.eos_token", self.eos_token,
+               "empty with data.tokenizer=byte (its EOS is its own id 256)")
         _check(bool(self.prepared_dir), "data.prepared_dir", self.prepared_dir, "a directory path")
         for key, src in (("data.source", self.source), ("data.val_source", self.val_source)):
             if src and src != "stdlib" and looks_local(src):
@@ -386,7 +397,8 @@ class OptimConfig:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.weight_decay * self.lr < 1, "optim.weight_decay", self.weight_decay,
+               f">= 0 and < 1 / optim.lr = {1 / self.lr:.6g} (AdamW scales weights by 1 - lr * weight_decay each step)")
         _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "in [0, 1)")
         _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "in [0, 1)")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0")
@@ -637,6 +649,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(key, value, "a finite number")
     if tp is bool and not isinstance(value, bool) or not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
+    if tp is int and not -2**63 <= value < 2**63:  # torch and numpy take int64: larger fails after workers start
+        raise ConfigError(key, value, "an integer in [-2**63, 2**63)")
     return value
 
 
@@ -663,7 +677,9 @@ def config_from_dict(d: dict, world_size: int | None = None) -> Config:
 def load_config(path: str | os.PathLike | None = None, overrides: List[str] | None = None,
                 world_size: int | None = None) -> Config:
     """Resolve YAML (with `base:`) + `a.b=v` overrides into a validated Config."""
-    d = read_yaml(path) if path else {}
+    if path is not None and not str(path).strip():  # `--config "$CFG"` with CFG unset: not the defaults
+        raise ConfigError("--config", path, "an existing YAML file (an unset shell variable?)")
+    d = read_yaml(path) if path is not None else {}
     return config_from_dict(apply_overrides(d, list(overrides or [])), world_size)
 
 

@@ -96,6 +96,16 @@ OVERRIDES = [
     ("run.dir=.. (parent)", ["run.dir=.."]),
     ("run.dir=/ (root)", ["run.dir=/"]),
     ("run.dir=. fresh", ["run.dir=.", "run.fresh=true"]),
+    # accepted once, then failed after the workers started or trained silently wrong (session 15's audit)
+    *[(f"{k}=10**30", [f"{k}={10**30}"]) for k in ("model.n_layers", "model.vocab_size", "data.max_documents")],
+    ("model.moe.capacity_factor=1e38", ["model.moe.layers=every", "model.moe.capacity_factor=1e38"]),
+    *[(f"model.moe.jitter={v}", [f"model.moe.jitter={v}"]) for v in ("1", "2.5")],
+    ("optim.weight_decay=1000 (lr * wd > 1)", ["optim.weight_decay=1000"]),
+    ("every_other on one layer", ["model.mod.layers=every_other", "model.n_layers=1"]),
+    ("predictor_loss_weight=0, causal=predictor", ["model.mod.layers=every_other", "model.mod.predictor_loss_weight=0"]),
+    ("aux_loss_weight=0, causal=aux_loss", ["model.mod.layers=every", "model.mod.causal=aux_loss",
+                                             "model.mod.aux_loss_weight=0"]),
+    ("data.eos_token with the byte tokenizer", ["data.eos_token=</s>"]),
 ]
 
 # (name, file contents) used as --config.
@@ -137,6 +147,7 @@ RUN_DIRS = [
 MISC = [
     ("--config does not exist", "missing"),
     ("--config is a directory", "directory"),
+    ("--config is empty (an unset shell variable)", "empty"),
 ]
 
 
@@ -172,6 +183,8 @@ def prepare(kind: str, spec, tmp: Path) -> tuple[list[str], Path]:
         return args, run_dir
     if spec == "missing":
         return ["train", "--print-config", "--config", str(tmp / "nope.yaml"), f"run.dir={run_dir}"], run_dir
+    if spec == "empty":
+        return ["train", "--print-config", "--config", "", f"run.dir={run_dir}"], run_dir
     return ["train", "--print-config", "--config", str(tmp), f"run.dir={run_dir}"], run_dir
 
 
