@@ -16,10 +16,12 @@ clean. This module does not import torch: tokenizer workers start in a fraction 
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import glob
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -247,8 +249,6 @@ def _format(cfg: DataConfig, files: list[str], key: str, spec: str) -> str:
 
 def check_utf8(files: list[str], key: str, spec: str) -> None:
     """Refuse binary and non-UTF-8 text files before any worker starts (streamed, ~1 GB/s)."""
-    import codecs
-
     for f in files:
         dec, pos = codecs.getincrementaldecoder("utf-8")(), 0
         with open(f, "rb") as fh:
@@ -286,7 +286,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
     files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
-    if cfg.hub_config and not repo and (looks_local(spec) or spec == "stdlib"):
+    local = (looks_local(spec) or spec == "stdlib") and not repo
+    if cfg.hub_config and local:
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
                           "of a hub dataset or of a local dataset repository whose README.md lists `configs:`)")
     # A data file named as a held-out split beside the training files: with val_fraction alone, whole
@@ -298,7 +299,6 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
                           f"data.val_source={held[0]} (its documents become the validation set and are never "
                           f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} (or numbered shards of "
                           "them, or names ending in them) out of data.source")
-    local = (looks_local(spec) or spec == "stdlib") and not repo
     if local:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
@@ -341,8 +341,6 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         raise ConfigError("data.text_key", cfg.text_key, f"one of the source's columns {sorted(first)}")
 
     def docs():
-        import itertools
-
         rows = itertools.chain([first], _local_rows(it, key, spec) if local else it)
         if cfg.max_documents:
             rows = itertools.islice(rows, cfg.max_documents)
@@ -389,11 +387,7 @@ def current_files(cfg: DataConfig) -> set[str]:
 
 def fingerprint(files: list[str]) -> list:
     """What the local source files were when prepared: a change makes the manifest stale."""
-    out = []
-    for f in files:
-        st = os.stat(f)
-        out.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
-    return out
+    return [[os.path.abspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in files]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -874,14 +868,14 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
 PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
 
 
-def progress_bar(desc: str, every_s: float = 60.0):
+def progress_bar(desc: str):
     """A tqdm bar on a terminal; in a log file (every cluster job) its carriage-return redraws
-    would be all the log holds, so there one plain line per `every_s` seconds and one at the end."""
+    would be all the log holds, so there one plain line a minute and one at the end."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
         return tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
-    return PlainProgress(desc, every_s)
+    return PlainProgress(desc, 60.0)
 
 
 class PlainProgress:
@@ -945,8 +939,6 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     with encoder(tok, workers) as encode:
         def stream(it, skip):
             nonlocal bar
-            import itertools
-
             for (r, done) in encode(itertools.islice(it, skip, None)):
                 if progress and bar is None:  # opened at the first batch: a bad source prints only its error
                     bar = progress_bar(f"prepare {tmp.name.removesuffix('.tmp')}")

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from mode import engine as eng
@@ -62,8 +63,8 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     saved = rundir.check(cfg.run.dir, cfg.run.fresh, lock=lock) / "config.yaml"
     if cfg.run.fresh:
         return None
+    n = len(ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)))
     if not saved.exists():
-        n = len(ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)))
         if n:  # resuming would load them under whatever config this start has, schedule included
             raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds {n} checkpoints but no config.yaml, so "
                               "the config they were trained with cannot be checked; write back the config it was "
@@ -76,7 +77,6 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         old = e
     if not isinstance(old, dict):
         what = "empty" if old is None else "not a readable config"
-        n = len(ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)))
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml is {what}, so the run cannot be "
                           f"resumed; write back the config it was started with ({n} checkpoints wait for it; its "
                           "TensorBoard TEXT tab holds a copy), or use another run.dir (run.fresh=true deletes them)")
@@ -85,7 +85,7 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
-    if (Path(cfg.run.dir) / "DONE").exists() and not ckpt.step_dirs(ckpt.checkpoints_dir(cfg.run.dir)):
+    if (Path(cfg.run.dir) / "DONE").exists() and not n:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (were "
                           "they removed?): a start would train it again from step 0 beside its logs; pass "
                           "run.fresh=true to retrain it or use another run.dir")
@@ -329,8 +329,6 @@ class Trainer:
             return self.cfg.perf.peak_tflops, "perf.peak_tflops"
         self._barrier()  # on CPU every rank measures at once: ranks share the cores as in training
         peak, src = default_peak_tflops(self.cfg.deepspeed.precision)
-        import torch.distributed as dist
-
         if dist.is_initialized() and self.world > 1:
             t = torch.tensor(peak, dtype=torch.float64, device=self.dev)
             dist.all_reduce(t)
@@ -338,8 +336,6 @@ class Trainer:
         return peak, src
 
     def _barrier(self):
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.barrier()
 
@@ -409,7 +405,28 @@ class Trainer:
     def evaluate(self) -> dict:
         # evaluation must not shift training randomness (stochastic routing draws on the device)
         with self._fork_rng(), self._eager():
-            return self._evaluate()
+            model = self.engine.module
+            model.eval()
+            acc = Accumulator()
+            routings = ("topk", "causal") if routes_at_sampling(model.plan) else ("topk",)
+            n, mb = self.cfg.train.eval_batches, self.cfg.train.micro_batch_size
+            # (nats, UTF-8 bytes) of the evaluated targets, summed over batches and ranks
+            nats_bytes = torch.tensor([0.0, self.data.val_bytes(n, mb)], dtype=torch.float64, device=self.dev)
+            for x, y in self.data.val_batches(n, mb):
+                x, y = x.to(self.dev), y.to(self.dev)
+                for r in routings:
+                    out = model(x, y, routing=r)
+                    acc.add({"eval/loss" if r == "topk" else "eval/loss_causal": out.loss})
+                    if r == "topk":  # out.loss is the mean over every target token
+                        nats_bytes[0] += out.loss.double() * y.numel()
+            model.train()
+            vals = acc.read()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(nats_bytes)
+            nats, nbytes = nats_bytes.tolist()
+            # bits per UTF-8 byte of the evaluated text: comparable across tokenizers
+            vals["eval/bpb"] = nats / math.log(2) / max(nbytes, 1.0)
+            return vals
 
     def _fork_rng(self):
         return torch.random.fork_rng(devices=[self.dev.index] if self.dev.type == "cuda" else [])
@@ -419,67 +436,34 @@ class Trainer:
         recompile them (train.compile speeds up training). Without train.compile dynamo stays unloaded."""
         if self.cfg.train.compile:
             return torch.compiler.set_stance("force_eager")
-        import contextlib
-
         return contextlib.nullcontext()
-
-    def _evaluate(self) -> dict:
-        model = self.engine.module
-        model.eval()
-        acc = Accumulator()
-        routings = ("topk", "causal") if routes_at_sampling(model.plan) else ("topk",)
-        n, mb = self.cfg.train.eval_batches, self.cfg.train.micro_batch_size
-        # (nats, UTF-8 bytes) of the evaluated targets, summed over batches and ranks
-        nats_bytes = torch.tensor([0.0, self.data.val_bytes(n, mb)], dtype=torch.float64, device=self.dev)
-        for x, y in self.data.val_batches(n, mb):
-            x, y = x.to(self.dev), y.to(self.dev)
-            for r in routings:
-                out = model(x, y, routing=r)
-                acc.add({"eval/loss" if r == "topk" else "eval/loss_causal": out.loss})
-                if r == "topk":  # out.loss is the mean over every target token
-                    nats_bytes[0] += out.loss.double() * y.numel()
-        model.train()
-        vals = acc.read()
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(nats_bytes)
-        nats, nbytes = nats_bytes.tolist()
-        # bits per UTF-8 byte of the evaluated text: comparable across tokenizers
-        vals["eval/bpb"] = nats / math.log(2) / max(nbytes, 1.0)
-        return vals
 
     def dump_routing(self) -> None:
         with self._fork_rng(), self._eager():
-            self._dump_routing()
-
-    def _dump_routing(self) -> None:
-        model = self.engine.module
-        x, _ = next(self.data.val_batches(1, self.cfg.train.micro_batch_size))
-        with torch.no_grad():
-            model.eval()
-            out = model(x.to(self.dev))
-            model.train()
-        p = torch.log_softmax(out.logits.float(), -1)
-        entropy = -(p.exp() * p).sum(-1)
-        engaged = model.engaged_blocks()
-        if self.rank != 0:
-            return
-        if engaged is None:
-            engaged = torch.ones(self.cfg.model.n_layers, *x.shape, dtype=torch.bool)
-        tok = self.data.tokenizer
-        torch.save({"input_ids": x.cpu(), "engaged": engaged.cpu(), "entropy": entropy.cpu(),
-                    "text": [tok.decode(r.tolist()) for r in x],
-                    "tokens": [[tok.decode([i]) for i in r.tolist()] for r in x]},  # per-token text for heatmaps
-                   self.run_dir / "routing.pt")
+            model = self.engine.module
+            x, _ = next(self.data.val_batches(1, self.cfg.train.micro_batch_size))
+            with torch.no_grad():
+                model.eval()
+                out = model(x.to(self.dev))
+                model.train()
+            p = torch.log_softmax(out.logits.float(), -1)
+            entropy = -(p.exp() * p).sum(-1)
+            engaged = model.engaged_blocks()
+            if self.rank != 0:
+                return
+            if engaged is None:
+                engaged = torch.ones(self.cfg.model.n_layers, *x.shape, dtype=torch.bool)
+            tok = self.data.tokenizer
+            torch.save({"input_ids": x.cpu(), "engaged": engaged.cpu(), "entropy": entropy.cpu(),
+                        "text": [tok.decode(r.tolist()) for r in x],
+                        "tokens": [[tok.decode([i]) for i in r.tolist()] for r in x]},  # per-token text for heatmaps
+                       self.run_dir / "routing.pt")
 
     def _seen(self) -> dict:
         return {"train/tokens_seen": self.tokens,
                 "train/flops_seen": TRAIN_FLOPS_PER_FORWARD_FLOP * self.flops["forward_flops_per_token"] * self.tokens}
 
     def _peak_memory_gb(self) -> float:
-        import torch.distributed as dist
-
         mem = torch.tensor(memory_gb(self.dev), dtype=torch.float64, device=self.dev)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the rank closest to running out
