@@ -670,17 +670,13 @@ def _build(cls: type, d: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
-def config_from_dict(d: dict, world_size: int | None = None) -> Config:
-    return _build(Config, d).validate(world_size)
-
-
 def load_config(path: str | os.PathLike | None = None, overrides: List[str] | None = None,
                 world_size: int | None = None) -> Config:
     """Resolve YAML (with `base:`) + `a.b=v` overrides into a validated Config."""
     if path is not None and not str(path).strip():  # `--config "$CFG"` with CFG unset: not the defaults
         raise ConfigError("--config", path, "an existing YAML file (an unset shell variable?)")
     d = read_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(d, list(overrides or [])), world_size)
+    return _build(Config, apply_overrides(d, list(overrides or []))).validate(world_size)
 
 
 def dump_config(cfg: Config) -> str:
