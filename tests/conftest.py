@@ -52,10 +52,22 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def one_launcher(tmp_path_factory):
     """The expert-parallel reference of the simulated multi-node runs (tests/test_launch.py EP_RUN),
-    trained once for test_launch.py and test_cluster.py: one DeepSpeed launcher starting both ranks."""
+    trained once per test session for test_launch.py and test_cluster.py: one DeepSpeed launcher
+    starting both ranks. pytest-xdist workers share it: the first to need it trains it under a file
+    lock in the session's temporary directory, the other waits for it (~25 s of both cores saved)."""
+    import fcntl
+    import shutil
+
     from tests.test_launch import EP_CONFIG, EP_RUN
     from tests.util import deepspeed_train
 
-    d = tmp_path_factory.mktemp("one_launcher") / "run"
-    deepspeed_train(2, EP_CONFIG, *EP_RUN, f"run.dir={d}")
+    # a worker's basetemp is <session>/popen-gwN; without xdist the parent would outlive the session
+    root = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
+        tmp_path_factory.mktemp("shared")
+    d = root / "one_launcher" / "run"
+    with open(root / "one_launcher.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / "DONE").exists():
+            shutil.rmtree(d.parent, ignore_errors=True)  # what a worker that failed midway left
+            deepspeed_train(2, EP_CONFIG, *EP_RUN, f"run.dir={d}")
     return d
