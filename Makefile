@@ -21,9 +21,9 @@ demo: $(STAMP)
 # Two pytest workers (pytest-xdist), each taking whole files, so module and session fixtures (runs
 # shared by a file's tests) are built once per worker: on 2 cores the suite takes half the wall time,
 # since a starting process spends most of a tiny run importing torch on one core. TEST_WORKERS=0 runs
-# in one process.
+# in one process. Files go out heaviest first (tests/conftest.py FILE_SECONDS).
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) tests

@@ -26,9 +26,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a process or trains; `make test-fast` deselects it")
 
 
+# Seconds of slow tests per file (a `--durations` run, session 14), heaviest first. `make test` hands whole
+# files to two workers in this order (--no-loadscope-reorder): by test count, xdist's default, the
+# few-test heavy files came last and one worker ran them alone. Stale values only cost balance.
+FILE_SECONDS = {"test_cluster.py": 275, "test_compare.py": 254, "test_moe_train.py": 222, "test_reliability.py": 209,
+                "test_launch.py": 198, "test_faults.py": 183, "test_train.py": 172, "test_data.py": 159,
+                "test_logging.py": 140, "test_bf16.py": 87, "test_harness.py": 76, "test_sampling.py": 68}
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
