@@ -346,6 +346,7 @@ def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    from mode.compare import PORT, is_port  # the rule of an experiment's launcher_options
     from mode.config import ConfigError
 
     backend = a.launcher if a.launcher in DS_BACKENDS else None
@@ -356,8 +357,16 @@ def main(argv=None) -> int:
         if a.launcher == "torchrun" and a.num_nodes > 1 and not a.master_addr:
             # without it every node waits on its own 127.0.0.1 until the rendezvous times out
             raise _err("--master_addr", None, "node 0's address (required with --launcher torchrun on several nodes)")
+        if a.launcher == "torchrun" and a.num_nodes > 1 and a.node_rank is None:  # else rank 0 on every node
+            raise _err("--node_rank", None, "this node's rank (required with --launcher torchrun on several nodes)")
+        for key, port in (("--master_port", a.master_port), ("--ssh_port", a.ssh_port)):
+            if port is not None and not is_port(port):  # else refused only at rendezvous, after the ranks start
+                raise _err(key, port, PORT)
         world = world_size(a.launcher, a.hostfile, a.num_nodes, a.num_gpus)
         nodes = plan_nodes(a.hostfile, a.num_nodes, a.num_gpus) if a.launcher != "torchrun" else []
+        n_nodes = max(1, a.num_nodes) if a.launcher == "torchrun" else len(nodes)
+        if a.node_rank is not None and not 0 <= a.node_rank < n_nodes:
+            raise _err("--node_rank", a.node_rank, f"this node's rank, 0 <= R < {n_nodes} (the number of nodes)")
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         pdsh = multinode and backend in (None, "pdsh")  # over ssh, through pdsh and the remote shell
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))

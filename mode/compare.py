@@ -170,6 +170,13 @@ def _unknown(d: dict, allowed, path: Path, where: str) -> None:
             raise _bad(path, f"unknown key {where}{k}{hint}; allowed: {', '.join(allowed)}")
 
 
+PORT = "an integer port 1-65535"  # also launch.run's --master_port/--ssh_port
+
+
+def is_port(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
+
+
 def _check_options(o: dict, launcher: str, path: Path) -> None:
     """Types and ranges of launcher_options, before any command is built from them (an sbatch_args
     string would be split into characters, num_nodes 0 would be a world of 0 ranks)."""
@@ -180,8 +187,8 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
              "num_gpus": ((lambda v: is_int(v) and v >= 0, "an integer >= 0 (0: a partition without GPUs, nproc "
                            "ranks per node)") if launcher == "slurm" else (lambda v: is_int(v) and v >= 1,
                                                                           "an integer >= 1 (processes per node)")),
-             "master_port": (lambda v: is_int(v) and 1 <= v <= 65535, "an integer port 1-65535"),
-             "ssh_port": (lambda v: is_int(v) and 1 <= v <= 65535, "an integer port 1-65535"),
+             "master_port": (is_port, PORT),
+             "ssh_port": (is_port, PORT),
              "launcher_args": (lambda v: isinstance(v, str), "one string of options for pdsh/mpirun"),
              "hostfile": (lambda v: isinstance(v, str) and v != "", "a path"),
              "master_addr": (lambda v: isinstance(v, str) and v != "", "a host name or address"),

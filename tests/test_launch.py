@@ -207,6 +207,29 @@ def test_torchrun_on_several_nodes_needs_the_master_address(capsys):
     assert '--master_addr "${MASTER_ADDR:-}"' in script  # the script passes no default address for it to take
 
 
+def test_ports_and_node_ranks_are_checked_before_launch(capsys):
+    """Bug caught: a port outside 1-65535, a node rank outside 0..nodes-1, and torchrun on several
+    nodes without --node_rank (rank 0 on every node) passed --dry-run and failed only once the
+    launcher or the rendezvous ran. Each is refused in one line, naming the option."""
+    from launch.run import main
+
+    cases = {("--master_port", "99999"): "config error: --master_port=99999: an integer port 1-65535",
+             ("--master_port", "-1"): "config error: --master_port=-1: an integer port 1-65535",
+             ("--ssh_port", "0"): "config error: --ssh_port=0: an integer port 1-65535",
+             ("--no_ssh", "--node_rank", "-1"): "config error: --node_rank=-1: this node's rank, 0 <= R < 1",
+             ("--launcher", "torchrun", "--num_nodes", "2", "--node_rank", "5", "--master_addr", "n0"):
+                 "config error: --node_rank=5: this node's rank, 0 <= R < 2",
+             ("--launcher", "torchrun", "--num_nodes", "2", "--master_addr", "n0"):
+                 "config error: --node_rank=None: this node's rank (required with --launcher torchrun"}
+    for args, start in cases.items():
+        assert main([*args, "--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 2, args
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(start), (args, err)
+    assert main(["--launcher", "torchrun", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "n0",
+                 "--master_port", "65535", "--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 0
+    assert "--node-rank=1 --master-addr=n0 --master-port=65535" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_dry_run_prints_launcher_commands(tmp_path):
     hostfile = write_hostfile(tmp_path / "hostfile")
