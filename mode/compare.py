@@ -96,6 +96,7 @@ LAUNCHER_OPTIONS = {"local": (),
                     "deepspeed": ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "ssh_port",
                                   "launcher_args", "env"),
                     "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script", "env")}
+MAX_NPROC = 1024  # ranks per node: more than any node holds (GPUs, or CPU cores for CPU ranks)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -229,6 +230,9 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     if not isinstance(raw, dict):
         raise _bad(path, "the top level must be a mapping")
     _unknown(raw, EXPERIMENT_KEYS, path, "")
+    for key in ("name", "runs_dir", "report_dir"):  # a list or number would become a directory named "['a']"
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise _bad(path, f"{key}={raw[key]!r}: a string (it names a directory)")
     launcher = raw.get("launcher", "local")
     if launcher not in LAUNCHERS:
         raise _bad(path, f"launcher={launcher!r}: one of {', '.join(LAUNCHERS)}")
@@ -240,8 +244,8 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
     _check_options(options, launcher, path)
     nproc = raw.get("nproc", 1)
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise _bad(path, f"nproc={nproc!r}: an integer >= 1")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= MAX_NPROC:
+        raise _bad(path, f"nproc={nproc!r}: an integer 1-{MAX_NPROC} (ranks per node)")
     variants = raw.get("variants")
     if not isinstance(variants, dict) or not variants:
         raise _bad(path, "variants must be a non-empty mapping of name -> {config: ..., overrides: [...]}")
@@ -257,8 +261,9 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     if match:  # a misspelled key or variant would silently switch the FLOP guard off
         _unknown(match, ("variants", "tolerance"), path, "match_flops.")
         names = match.get("variants")
-        if not (isinstance(names, list) and len(names) >= 2 and all(n in variants for n in names)):
-            raise _bad(path, f"match_flops.variants={names!r}: a list of two or more of the variants "
+        if not (isinstance(names, list) and all(isinstance(n, str) and n in variants for n in names)
+                and len(set(names)) == len(names) >= 2):  # [dense, dense] would compare a variant with itself
+            raise _bad(path, f"match_flops.variants={names!r}: a list of two or more of the variants, each once "
                              f"({', '.join(map(str, variants))})")
         tol = match.get("tolerance", 0.02)
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:

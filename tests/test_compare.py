@@ -295,6 +295,9 @@ def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path
     ({"variants": ["dense", "mod"], "tolerence": 0.5}, "unknown key match_flops.tolerence (did you mean tolerance?)"),
     ({"variants": ["dense", "mod"], "tolerance": 2}, "match_flops.tolerance=2: a fraction in [0, 1)"),
     (["dense", "mod"], "match_flops=['dense', 'mod']: a mapping"),
+    ({"variants": ["dense", "dense"]}, "match_flops.variants=['dense', 'dense']: a list of two or more of the "
+                                       "variants, each once"),  # was accepted: dense compared with itself
+    ({"variants": [["dense"], "mod"]}, "match_flops.variants=[['dense'], 'mod']: a list"),  # was a TypeError
 ])
 def test_a_bad_match_flops_is_refused_not_skipped(tmp_path, capsys, match, expect):
     """Bug caught: an unknown variant or a misspelled key in match_flops was dropped silently, which
@@ -306,6 +309,25 @@ def test_a_bad_match_flops_is_refused_not_skipped(tmp_path, capsys, match, expec
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"config error: experiment {exp}: ") and expect in err[0], err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("runs_dir", ["a"], "a string (it names a directory)"),  # was run.dir=['a']/dense_seed0
+    ("runs_dir", 5, "a string (it names a directory)"),
+    ("report_dir", ["r"], "a string (it names a directory)"),
+    ("name", [1, 2], "a string (it names a directory)"),  # was runs_dir runs/[1, 2]
+    ("name", {"a": 1}, "a string (it names a directory)"),
+    ("nproc", 10**30, "an integer 1-1024 (ranks per node)"),  # only >= 1 was checked
+])
+def test_experiment_keys_of_the_wrong_type_are_refused(tmp_path, capsys, key, value, allowed):
+    """Bug caught: a list, mapping or number as name/runs_dir/report_dir was turned into a path
+    string, and any nproc >= 1 was accepted."""
+    from mode import compare
+
+    exp = experiment(tmp_path, **{key: value})
+    assert compare.main([str(exp), "--dry-run"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"config error: experiment {exp}: {key}={value!r}: {allowed}"]
+    assert compare.load_experiment(experiment(tmp_path, nproc=1024)).nproc == 1024
 
 
 def test_good_launcher_options_pass_the_check(tmp_path):
