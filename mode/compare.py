@@ -22,8 +22,10 @@ Experiment format::
 
 Each run is `<variant>_seed<k>` with run directory `runs_dir/<variant>_seed<k>` and the overrides
 `run.dir=...`, `run.name=<variant>`, `train.seed=<k>` applied last (after the experiment's, the
-variant's, and those given on the command line). Data order is the same for every variant and
-seed: it depends on data.split_seed only, which the experiment should not vary.
+variant's, and those given on the command line, none of which may set these three keys: one
+`config error:` line says what to use instead, `runs_dir:`, the variant's name, `seeds:`). Data
+order is the same for every variant and seed: it depends on data.split_seed only, which the
+experiment should not vary.
 
 Launchers:
 
@@ -373,8 +375,23 @@ def check_runs_dir(d: Path, key: str, shown: str) -> None:
                                       "grid into it")
 
 
+# Set by compare for each run, after every other override: a user's value would be dropped silently.
+SET_PER_RUN = {"run.dir": "runs_dir: (or --runs-dir; each run is runs_dir/<variant>_seed<k>)",
+               "run.name": "the variant's name", "train.seed": "seeds: (or --seeds)"}
+
+
+def _not_per_run(overrides: list[str], where: str) -> None:
+    for ov in overrides:
+        key = ov.split("=", 1)[0].strip()
+        if key in SET_PER_RUN:
+            raise ConfigError(key, msg=f"{where}{ov}: set by mode compare for each run; use {SET_PER_RUN[key]} "
+                                       "instead")
+
+
 def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | None = None) -> list[GridRun]:
     """variants x seeds -> runs (experiment order, seeds ascending as listed)."""
+    _not_per_run(exp.overrides, f"experiment {exp.path}: overrides: ")
+    _not_per_run(extra or [], "")
     if only:
         unknown = [v for v in only if v not in exp.variants]
         if unknown:
@@ -389,10 +406,11 @@ def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | No
         if not isinstance(config, str):
             raise _bad(exp.path, f"variants.{name}.config must be a path")
         cfg_path = (exp.path.parent / _user_path(config)).resolve()
+        own = _str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides")
+        _not_per_run(own, f"experiment {exp.path}: variants.{name}.overrides: ")
         for s in seeds:
             run_dir = exp.runs_dir / f"{name}_seed{s}"
-            ov = [*exp.overrides, *_str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides"),
-                  *(extra or []), f"run.dir={run_dir}", f"run.name={name}", f"train.seed={s}"]
+            ov = [*exp.overrides, *own, *(extra or []), f"run.dir={run_dir}", f"run.name={name}", f"train.seed={s}"]
             runs.append(GridRun(variant=name, seed=s, config=str(cfg_path), overrides=ov))
     return runs
 

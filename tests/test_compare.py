@@ -330,6 +330,37 @@ def test_experiment_keys_of_the_wrong_type_are_refused(tmp_path, capsys, key, va
     assert compare.load_experiment(experiment(tmp_path, nproc=1024)).nproc == 1024
 
 
+@pytest.mark.parametrize("where", ["command line", "overrides", "variant overrides"])
+@pytest.mark.parametrize("ov,use", [("train.seed=5", "use seeds: (or --seeds) instead"),
+                                    ("run.dir=elsewhere", "use runs_dir: (or --runs-dir;"),
+                                    ("run.name=other", "use the variant's name instead")])
+def test_keys_compare_sets_per_run_are_refused_not_overridden(tmp_path, capsys, where, ov, use):
+    """Bug caught: `mode compare exp.yaml train.seed=5` (or run.dir=, run.name=, also in the YAML's
+    overrides) ran with compare's own value, appended last (seed 0 here), and said nothing."""
+    from mode import compare
+
+    exp = experiment(tmp_path)
+    args = [str(exp), "--dry-run"]
+    if where == "command line":
+        args.append(ov)
+        prefix = ""
+    elif where == "overrides":
+        spec = yaml.safe_load(exp.read_text())
+        spec["overrides"].append(ov)
+        exp.write_text(yaml.safe_dump(spec))
+        prefix = f"experiment {exp}: overrides: "
+    else:
+        spec = yaml.safe_load(exp.read_text())
+        spec["variants"]["mod"]["overrides"].append(ov)
+        exp.write_text(yaml.safe_dump(spec))
+        prefix = f"experiment {exp}: variants.mod.overrides: "
+    assert compare.main(args) == 2
+    err = capsys.readouterr().err.splitlines()
+    line = f"config error: {prefix}{ov}: set by mode compare for each run; {use}"
+    assert len(err) == 1 and err[0].startswith(line), err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_good_launcher_options_pass_the_check(tmp_path):
     from mode.compare import load_experiment
 
