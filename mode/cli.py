@@ -73,6 +73,34 @@ def _check_knob(cfg, knob: str) -> None:
                           f"model.moe.capacity_factor){hint}")
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# What `mode generate` and a `mode eval` task's generation_kwargs (mode.harness) accept for the same values.
+SAMPLING = {"max_new_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+            "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+            "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = all)"),
+            "top_p": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+            "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "non-empty strings"),
+            "seed": (lambda v: _int(v) and -2**63 <= v < 2**64,
+                     "an integer in [-2**63, 2**64) (torch.Generator's range)")}
+
+
+def check_sampling(values: list[tuple[str, str, object]]) -> None:
+    """(key as the user wrote it, rule of SAMPLING, value) each: the first bad one is a ConfigError."""
+    from mode.config import ConfigError
+
+    for key, rule, value in values:
+        ok, allowed = SAMPLING[rule]
+        if not ok(value):
+            raise ConfigError(key, value, allowed)
+
+
 def _generate(argv) -> int:
     from mode.config import ConfigError
     from mode.generate import cli_generate
@@ -94,15 +122,9 @@ def _generate(argv) -> int:
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt and line: prompt, completion, num_tokens")
     a = p.parse_args(argv)
-    checks = [("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, ">= 1"),
-              ("--temperature", a.temperature, 0 <= a.temperature < math.inf, "a finite number >= 0 (0 = greedy)"),
-              ("--top-k", a.top_k, a.top_k >= 0, ">= 0 (0 = all)"),
-              ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1]"),
-              ("--stop", a.stop, all(a.stop), "non-empty strings"),
-              ("--seed", a.seed, -2**63 <= a.seed < 2**64, "an integer in [-2**63, 2**64) (torch.Generator's range)")]
-    for key, value, ok, allowed in checks:
-        if not ok:
-            raise ConfigError(key, value, allowed)
+    check_sampling([("--max-new-tokens", "max_new_tokens", a.max_new_tokens),
+                    ("--temperature", "temperature", a.temperature), ("--top-k", "top_k", a.top_k),
+                    ("--top-p", "top_p", a.top_p), ("--stop", "stop", a.stop), ("--seed", "seed", a.seed)])
     prompts = list(a.prompt)
     if a.prompt_file:
         f = Path(a.prompt_file)

@@ -67,6 +67,33 @@ def rows_independent(model, routing: str) -> bool:
     return not has_moe(layer_plan(model.cfg)) or model.cfg.moe.inference_capacity_factor is None
 
 
+# A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.cli.SAMPLING's rule of each.
+GEN_KWARGS = {"max_gen_toks": "max_new_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+              "until": "stop", "seed": "seed"}
+
+
+def check_gen_kwargs(kw, where: str = "") -> None:
+    """A task's generation_kwargs by `mode generate`'s rules for the same values, do_sample true or
+    false; null until/top_k/top_p/seed/do_sample mean the default, an empty `until` string is
+    skipped. ConfigError (`where` prefixes the key) before anything is generated: a bad value was
+    a ValueError mid-evaluation, or silently changed (top_p 0 -> 1, temperature nan -> greedy)."""
+    from mode.cli import check_sampling
+
+    if not isinstance(kw, dict):
+        raise ConfigError(f"{where}generation_kwargs", kw, "a mapping")
+    if kw.get("do_sample") is not None and not isinstance(kw["do_sample"], bool):
+        raise ConfigError(f"{where}generation_kwargs.do_sample", kw["do_sample"], "true or false")
+    values = []
+    for k, rule in GEN_KWARGS.items():
+        v = kw.get(k)
+        if k not in kw or (v is None and k in ("until", "top_k", "top_p", "seed")):
+            continue
+        if k == "until":
+            v = [v] if isinstance(v, str) else [x for x in v if x != ""] if isinstance(v, list) else v
+        values.append((f"{where}generation_kwargs.{k}", rule, v))
+    check_sampling(values)
+
+
 class Scorer:
     """Log-probabilities of target tokens under a `mode` LM: the adapter between the harness and
     the model's forward (`model(ids_BS, routing=...)`)."""
@@ -154,6 +181,8 @@ class Scorer:
         same request list draws the same ones again."""
         from mode.generate import cut_at_stop, generate_ids
 
+        for _, kw in requests:  # `mode eval` checked its tasks' at load; lm-eval's Python API may pass others
+            check_gen_kwargs(kw)
         groups: dict[tuple, list] = {}
         for i, (context, kw) in enumerate(requests):
             until = kw.get("until") or []
@@ -303,7 +332,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
         while True:
             try:
                 with _hub(offline):
-                    tm.load([t])
+                    loaded = tm.load([t])
                 break
             except ConnectionError as e:  # offline: not in the cache (datasets' and the hub's errors alike)
                 if not offline:
@@ -318,6 +347,9 @@ def _task_manager(tasks: list[str], include_path: str | None):
                     "(README: standard tasks), or use a local task YAML (--include-path)")) from None
             except Exception as e:  # datasets raises many kinds: missing file, bad schema
                 _data_error(t, e)
+        for name, task in loaded["tasks"].items():  # before the model is built, not mid-evaluation
+            if task.get_config("output_type") == "generate_until":
+                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
     return tm, offline
 
 
@@ -346,9 +378,9 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
 
     if routing not in ("causal", "topk"):
         raise ConfigError("--routing", routing, "causal or topk")
+    tm, offline = _task_manager(tasks, include_path)  # a bad task first: before the model is loaded
     if lm is None:
         lm = ModeLM(run=run, routing=routing, batch_size=batch_size, device=device)
-    tm, offline = _task_manager(tasks, include_path)
     with _hub(offline):  # the harness loads the tasks again: from where they were found above
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
                                       log_samples=False)

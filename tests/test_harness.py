@@ -260,6 +260,55 @@ def test_own_task_with_missing_or_malformed_data_says_what_is_wrong(tmp_path, ca
     assert not (run / "eval").exists()
 
 
+def _generate_task(name: str, gen_kwargs: str) -> str:
+    """The shipped stdlib_complete task (generate_until) with its own generation_kwargs block (`until`
+    the newline unless given: lm-eval warns about a task without one)."""
+    y = (ROOT / "configs/eval/stdlib_complete.yaml").read_text().replace("task: stdlib_complete", f"task: {name}")
+    y = y.replace("custom_dataset: !function local_json.load", "dataset_path: json")
+    y = y.replace("test: data/stdlib_complete.jsonl", f"test: {ROOT / 'configs/eval/data/stdlib_complete.jsonl'}")
+    block = '  until: ["\\n"]\n  max_gen_toks: 48\n  do_sample: false\n'
+    assert "dataset_path: json" in y and block in y
+    lines = gen_kwargs.split(";") + ([] if "until" in gen_kwargs else ['until: ["\\n"]'])
+    return y.replace(block, "".join(f"  {line}\n" for line in lines))
+
+
+BAD_GEN_KWARGS = {  # generation_kwargs lines -> the line mode eval prints; what each did before
+    "max_gen_toks: abc": "generation_kwargs.max_gen_toks='abc': an integer >= 1",  # ValueError mid-evaluation
+    "until: 5": "generation_kwargs.until=5: non-empty strings",  # TypeError
+    "top_p: -1": "generation_kwargs.top_p=-1: in (0, 1]",  # RuntimeError
+    "seed: 1180591620717411303424": "generation_kwargs.seed=1180591620717411303424: an integer in [-2**63, 2**64)",
+    "top_p: 0": "generation_kwargs.top_p=0: in (0, 1]",  # became 1.0
+    "do_sample: true;temperature: nan": "generation_kwargs.temperature=nan: a finite number >= 0",  # ran greedy
+    "do_sample: true;temperature: -1": "generation_kwargs.temperature=-1.0: a finite number >= 0",  # ran greedy
+    "max_gen_toks: -5": "generation_kwargs.max_gen_toks=-5: an integer >= 1",  # became 1
+    "do_sample: 'no'": "generation_kwargs.do_sample='no': true or false",  # sampled
+}
+
+
+def test_bad_generation_kwargs_of_a_task_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Bugs caught: a task's generation_kwargs were read only while generating (mid-evaluation
+    errors) or changed silently, though `mode generate` refuses the same values. Now checked by the
+    same rules (mode.cli.check_sampling) when the task is loaded, before the model is built."""
+    import mode.harness as h
+
+    built = []
+    monkeypatch.setattr(h, "ModeLM", lambda **kw: built.append(kw))
+    (tmp_path / "tasks").mkdir()
+    for i, kw in enumerate(BAD_GEN_KWARGS):
+        (tmp_path / "tasks" / f"g{i}.yaml").write_text(_generate_task(f"gen{i}", kw))
+    argv = ["eval", "--run", str(tmp_path / "run"), "--include-path", str(tmp_path / "tasks"), "--tasks"]
+    for i, (kw, line) in enumerate(BAD_GEN_KWARGS.items()):
+        _one_line_error(capsys, [*argv, f"gen{i}"], f"config error: task gen{i}: {line}")
+    assert built == [] and not (tmp_path / "run").exists()
+    # lm-eval's own Python API reaches the model with generation_kwargs mode eval never saw: checked there too
+    model, _ = tiny_model("mod")
+    lm = ModeLM(model=model, tokenizer=TOK)
+    ok = Instance("generate_until", {}, ("def f(", {"until": ["\n"], "max_gen_toks": 4}), 0)
+    bad = Instance("generate_until", {}, ("def f(", {"until": ["\n"], "max_gen_toks": 4, "top_p": 0}), 1)
+    with pytest.raises(h.ConfigError, match=r"generation_kwargs.top_p=0: in \(0, 1\]"):
+        lm.generate_until([ok, bad])
+
+
 def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
     import mode.harness
 
