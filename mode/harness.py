@@ -347,7 +347,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
                     "(README: standard tasks), or use a local task YAML (--include-path)")) from None
             except Exception as e:  # datasets raises many kinds: missing file, bad schema
                 _data_error(t, e)
-        for name, task in loaded["tasks"].items():  # before the model is built, not mid-evaluation
+        for name, task in loaded["tasks"].items():  # before anything is evaluated, not mid-evaluation
             if task.get_config("output_type") == "generate_until":
                 check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
     return tm, offline
@@ -378,9 +378,9 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
 
     if routing not in ("causal", "topk"):
         raise ConfigError("--routing", routing, "causal or topk")
-    tm, offline = _task_manager(tasks, include_path)  # a bad task first: before the model is loaded
-    if lm is None:
+    if lm is None:  # first: a wrong --run (the usual mistake) is found before lm-eval indexes its tasks (~25 s)
         lm = ModeLM(run=run, routing=routing, batch_size=batch_size, device=device)
+    tm, offline = _task_manager(tasks, include_path)
     with _hub(offline):  # the harness loads the tasks again: from where they were found above
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
                                       log_samples=False)

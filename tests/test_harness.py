@@ -285,21 +285,22 @@ BAD_GEN_KWARGS = {  # generation_kwargs lines -> the line mode eval prints; what
 }
 
 
-def test_bad_generation_kwargs_of_a_task_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+def test_bad_generation_kwargs_of_a_task_are_one_line_before_anything_is_generated(tmp_path, capsys, monkeypatch):
     """Bugs caught: a task's generation_kwargs were read only while generating (mid-evaluation
     errors) or changed silently, though `mode generate` refuses the same values. Now checked by the
-    same rules (mode.cli.check_sampling) when the task is loaded, before the model is built."""
+    same rules (mode.cli.check_sampling) when the task is loaded, before anything is evaluated."""
     import mode.harness as h
 
-    built = []
-    monkeypatch.setattr(h, "ModeLM", lambda **kw: built.append(kw))
+    evaluated = []
+    monkeypatch.setattr(h, "ModeLM", lambda **kw: None)  # the task check needs no model
+    monkeypatch.setattr("lm_eval.simple_evaluate", lambda **kw: evaluated.append(kw))
     (tmp_path / "tasks").mkdir()
     for i, kw in enumerate(BAD_GEN_KWARGS):
         (tmp_path / "tasks" / f"g{i}.yaml").write_text(_generate_task(f"gen{i}", kw))
     argv = ["eval", "--run", str(tmp_path / "run"), "--include-path", str(tmp_path / "tasks"), "--tasks"]
     for i, (kw, line) in enumerate(BAD_GEN_KWARGS.items()):
         _one_line_error(capsys, [*argv, f"gen{i}"], f"config error: task gen{i}: {line}")
-    assert built == [] and not (tmp_path / "run").exists()
+    assert evaluated == [] and not (tmp_path / "run").exists()
     # lm-eval's own Python API reaches the model with generation_kwargs mode eval never saw: checked there too
     model, _ = tiny_model("mod")
     lm = ModeLM(model=model, tokenizer=TOK)
