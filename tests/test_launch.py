@@ -228,6 +228,8 @@ def test_ports_and_node_ranks_are_checked_before_launch(capsys):
     assert main(["--launcher", "torchrun", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "n0",
                  "--master_port", "65535", "--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 0
     assert "--node-rank=1 --master-addr=n0 --master-port=65535" in capsys.readouterr().out
+    script = (ROOT / "launch" / "torchrun.sh").read_text()
+    assert "NODE_RANK:-0" not in script and '--node_rank "$NODE_RANK"' in script  # no default rank to take
 
 
 @pytest.mark.slow
