@@ -277,7 +277,8 @@ def parser() -> argparse.ArgumentParser:
                    help="start only this node's ranks; run the same command on every node (SLURM)")
     p.add_argument("--master_addr", "--master-addr", default=None,
                    help="address of node 0 as every node reaches it (default: first hostfile host, or 127.0.0.1)")
-    p.add_argument("--master_port", "--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_PORT)))
+    p.add_argument("--master_port", "--master-port", type=int, default=None,
+                   help=f"rendezvous port (default: $MASTER_PORT, else {DEFAULT_PORT})")
     p.add_argument("--ssh_port", "--ssh-port", type=int, default=None, help="ssh port of every node (pdsh)")
     p.add_argument("--launcher_args", "--launcher-args", default=None,
                    help="options for the multi-node backend (pdsh, mpirun, ...), one quoted string")
@@ -359,6 +360,11 @@ def main(argv=None) -> int:
             raise _err("--master_addr", None, "node 0's address (required with --launcher torchrun on several nodes)")
         if a.launcher == "torchrun" and a.num_nodes > 1 and a.node_rank is None:  # else rank 0 on every node
             raise _err("--node_rank", None, "this node's rank (required with --launcher torchrun on several nodes)")
+        if a.master_port is None:  # the environment's, as torchrun and deepspeed read it
+            port = os.environ.get("MASTER_PORT", str(DEFAULT_PORT))
+            if not (port.isdigit() and is_port(int(port))):
+                raise _err("MASTER_PORT", port, PORT)
+            a.master_port = int(port)
         for key, port in (("--master_port", a.master_port), ("--ssh_port", a.ssh_port)):
             if port is not None and not is_port(port):  # else refused only at rendezvous, after the ranks start
                 raise _err(key, port, PORT)

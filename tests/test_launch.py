@@ -207,7 +207,7 @@ def test_torchrun_on_several_nodes_needs_the_master_address(capsys):
     assert '--master_addr "${MASTER_ADDR:-}"' in script  # the script passes no default address for it to take
 
 
-def test_ports_and_node_ranks_are_checked_before_launch(capsys):
+def test_ports_and_node_ranks_are_checked_before_launch(capsys, monkeypatch):
     """Bug caught: a port outside 1-65535, a node rank outside 0..nodes-1, and torchrun on several
     nodes without --node_rank (rank 0 on every node) passed --dry-run and failed only once the
     launcher or the rendezvous ran. Each is refused in one line, naming the option."""
@@ -228,6 +228,12 @@ def test_ports_and_node_ranks_are_checked_before_launch(capsys):
     assert main(["--launcher", "torchrun", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "n0",
                  "--master_port", "65535", "--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 0
     assert "--node-rank=1 --master-addr=n0 --master-port=65535" in capsys.readouterr().out
+    monkeypatch.setenv("MASTER_PORT", "abc")  # was `error: ValueError`, exit 1
+    assert main(["--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == "config error: MASTER_PORT='abc': an integer port 1-65535"
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert main(["--num_gpus", "1", "--dry-run", "--config", "configs/tiny/dense.yaml"]) == 0
+    assert "--master_port 29555" in capsys.readouterr().out
     script = (ROOT / "launch" / "torchrun.sh").read_text()
     assert "NODE_RANK:-0" not in script and '--node_rank "$NODE_RANK"' in script  # no default rank to take
 
