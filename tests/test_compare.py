@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,22 +33,30 @@ def experiment(tmp_path: Path, launcher: str = "local", **extra) -> Path:
     return path
 
 
-def compare_with_path(bin_dir: Path, *args):
-    import subprocess
-
-    e = dict(env(2), PATH=f"{bin_dir}:{os.environ['PATH']}")
-    r = subprocess.run([PY, "-m", "mode.cli", "compare", *map(str, args)], cwd=ROOT, env=e, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 def last_line(r) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+def compare_here(capsys, monkeypatch, *args) -> subprocess.CompletedProcess:
+    """`mode compare ...` in this process, from the repository root, where the test is not about the
+    process (what it refuses or prints, the scripts it writes): its return code, stdout and stderr as
+    a CompletedProcess. The SIGTERM/SIGINT handlers a real run installs are put back."""
+    from mode.compare import main
+
+    monkeypatch.chdir(ROOT)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in args])
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["mode", "compare", *map(str, args)], rc, out.out, out.err)
+
+
 @pytest.mark.slow
-def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
+def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monkeypatch):
     exp = experiment(tmp_path)
     runs = tmp_path / "runs"
 
@@ -75,16 +85,16 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path):
     plan = json.loads((runs / "experiment.json").read_text())
     assert [x["name"] for x in plan["runs"]] == ["dense_seed0", "mod_seed0"]
 
-    # Everything done: nothing is trained again.
+    # Everything done: nothing is trained again (in-process: no trainer may start).
     t0 = time.monotonic()
-    r = mode_cli("compare", exp)
-    assert r.stderr.count("done, skipped") == 2 and "DeepSpeed" not in r.stderr
+    r = compare_here(capsys, monkeypatch, exp)
+    assert r.returncode == 0 and r.stderr.count("done, skipped") == 2 and "DeepSpeed" not in r.stderr
     assert last_line(r) == f"report: {report}"
     print(f"\nsecond invocation with every run done: {time.monotonic() - t0:.1f}s")
 
 
 @pytest.mark.slow
-def test_bad_grid_is_refused_before_any_run_starts(tmp_path):
+def test_bad_grid_is_refused_before_any_run_starts(tmp_path, capsys, monkeypatch):
     exp = experiment(tmp_path, seeds=[0, 1])
     spec = yaml.safe_load(exp.read_text())
     spec["variants"]["mod"]["overrides"] = ["model.mod.capacity=1.5"]
@@ -95,19 +105,18 @@ def test_bad_grid_is_refused_before_any_run_starts(tmp_path):
     assert len(errors) == 1 and errors[0].startswith("config error: variant mod (seed 0"), r.stderr
     assert "model.mod.capacity=1.5" in errors[0] and not (tmp_path / "runs").exists()
 
-    r = mode_cli("compare", exp, "--only", "moe", check=False)
+    r = compare_here(capsys, monkeypatch, exp, "--only", "moe")  # (the process's one-line check: above)
     assert r.returncode == 2 and "config error: --only moe: not a variant" in r.stderr
 
     spec["variants"]["mod"] = {"confg": "x.yaml"}
     exp.write_text(yaml.safe_dump(spec))
-    r = mode_cli("compare", exp, check=False)
+    r = compare_here(capsys, monkeypatch, exp)
     assert r.returncode == 2 and "variants.mod must be a mapping with a `config:` path" in r.stderr
 
 
-@pytest.mark.slow
-def test_dry_run_expands_variants_and_seeds(tmp_path):
+def test_dry_run_expands_variants_and_seeds(tmp_path, capsys, monkeypatch):
     exp = experiment(tmp_path, seeds=[0, 1], nproc=2)
-    r = mode_cli("compare", exp, "--dry-run", "--only", "mod")
+    r = compare_here(capsys, monkeypatch, exp, "--dry-run", "--only", "mod")
     cmds = r.stdout.strip().splitlines()
     assert len(cmds) == 2 and "[2/2] mod_seed1: new run, 6 steps" in r.stderr
     assert all("deepspeed.launcher.runner" in c and "--num_gpus 2" in c and "--module mode.train" in c for c in cmds)
@@ -118,13 +127,14 @@ def test_dry_run_expands_variants_and_seeds(tmp_path):
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     exp = experiment(tmp_path, launcher="deepspeed", launcher_options={
         "hostfile": str(hostfile), "num_nodes": 2, "num_gpus": 2, "master_port": 29511, "env": {"NCCL_DEBUG": "WARN"}})
-    r = mode_cli("compare", exp, "--dry-run")
+    r = compare_here(capsys, monkeypatch, exp, "--dry-run")
+    assert r.returncode == 0, r.stderr
     assert "-m launch.run --launcher deepspeed --hostfile" in r.stdout and "--num_nodes 2 --num_gpus 2" in r.stdout
     assert "--env NCCL_DEBUG=WARN" in r.stdout
 
 
-@pytest.mark.slow
-def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
+@pytest.mark.slow  # prepares the tiny corpus (a real start's checks)
+def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path, capsys, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "sbatch.log"
@@ -134,7 +144,8 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
         f.chmod(0o755)
     exp = experiment(tmp_path, launcher="slurm", launcher_options={
         "num_nodes": 2, "num_gpus": 4, "sbatch_args": ["--partition=gpu"]})
-    r = mode_cli("compare", exp)
+    r = compare_here(capsys, monkeypatch, exp)
+    assert r.returncode == 0, r.stderr
     script = tmp_path / "runs" / "slurm" / "dense_seed0.sh"
     text = script.read_text()
     assert "sbatch --job-name=grid-dense_seed0" in text and "--nodes=2 --gpus-per-node=4 --partition=gpu" in text
@@ -146,11 +157,12 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path):
     spec = yaml.safe_load(exp.read_text())
     spec["launcher_options"]["submit"] = True
     exp.write_text(yaml.safe_dump(spec))
-    r = compare_with_path(bin_dir, exp)
-    assert r.stderr.count("submitted job 1000") == 2 and len(log.read_text().splitlines()) == 2
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")  # these sbatch/squeue (real SLURM: test_cluster.py)
+    r = compare_here(capsys, monkeypatch, exp)
+    assert r.returncode == 0 and r.stderr.count("submitted job 1000") == 2 and len(log.read_text().splitlines()) == 2
     assert "--parsable" in log.read_text()
-    r = compare_with_path(bin_dir, exp)
-    assert r.stderr.count("is queued or running") == 2 and len(log.read_text().splitlines()) == 2
+    r = compare_here(capsys, monkeypatch, exp)
+    assert r.returncode == 0 and r.stderr.count("is queued or running") == 2 and len(log.read_text().splitlines()) == 2
 
 
 @pytest.mark.slow
@@ -467,8 +479,6 @@ def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
 def test_ctrl_c_while_waiting_for_slurm_jobs_says_they_keep_running(tmp_path):
     """Ctrl-C in `--wait` stops the waiting, not the jobs, and says so (it exited 130 silently:
     compare's signal handler raised Stopped past the KeyboardInterrupt handler)."""
-    import signal
-    import subprocess
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
