@@ -339,6 +339,23 @@ MUTANTS = [
      "    except FileNotFoundError:  # a reader", "    except ZeroDivisionError:  # a reader", CKPT),
     ("export blames its output for a file it could not read", "mode/export.py",
      "            if io.filename in {str(src) for src, _ in tok_files}:", "            if False:", ["tests/test_export.py"]),
+    # Session 15: a fuzz of every config field, launcher option and experiment key
+    ("an integer past int64 accepted (fails after the workers start)", "mode/config.py",
+     "    if tp is int and not -2**63 <= value < 2**63:", "    if False:", CKPT),
+    ("every_other on a 1-layer model: a dense model labelled mod", "mode/config.py",
+     '_check(spec != "every_other" or n_layers >= 2, key, spec,', "_check(True, key, spec,", CKPT),
+    ("a causal router with loss weight 0 accepted (never trained)", "mode/config.py",
+     "        if n_routed:  # a zero weight", "        if False:  # a zero weight", CKPT),
+    ("a node rank outside 0..nodes-1 reaches the rendezvous", "launch/run.py",
+     "        if a.node_rank is not None and not 0 <= a.node_rank < n_nodes:", "        if False:",
+     ["tests/test_launch.py"]),
+    ("compare drops a user's train.seed silently", "mode/compare.py",
+     "        if key in SET_PER_RUN:", "        if False:", ["tests/test_compare.py"]),
+    ("match_flops compares a variant with itself", "mode/compare.py",
+     "and len(set(names)) == len(names) >= 2):", "and len(names) >= 2):", ["tests/test_compare.py"]),
+    ("a task's bad generation_kwargs found mid-evaluation", "mode/harness.py",
+     '                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")', "                pass",
+     ["tests/test_harness.py"]),
 ]
 
 
