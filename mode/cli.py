@@ -6,7 +6,6 @@ faults print one `error:` line naming the cause (exit 1). `--debug` shows traceb
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -73,37 +72,9 @@ def _check_knob(cfg, knob: str) -> None:
                           f"model.moe.capacity_factor){hint}")
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# What `mode generate` and a `mode eval` task's generation_kwargs (mode.harness) accept for the same values.
-SAMPLING = {"max_new_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
-            "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
-            "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = all)"),
-            "top_p": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
-            "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "non-empty strings"),
-            "seed": (lambda v: _int(v) and -2**63 <= v < 2**64,
-                     "an integer in [-2**63, 2**64) (torch.Generator's range)")}
-
-
-def check_sampling(values: list[tuple[str, str, object]]) -> None:
-    """(key as the user wrote it, rule of SAMPLING, value) each: the first bad one is a ConfigError."""
-    from mode.config import ConfigError
-
-    for key, rule, value in values:
-        ok, allowed = SAMPLING[rule]
-        if not ok(value):
-            raise ConfigError(key, value, allowed)
-
-
 def _generate(argv) -> int:
     from mode.config import ConfigError
-    from mode.generate import cli_generate
+    from mode.generate import check_sampling, cli_generate
 
     p = _OneLineParser(prog="mode generate", description="Sample from a trained run (KV cache, prefill, causal "
                        "routing: a prompt's logits and greedy output do not depend on the other prompts of the batch).")

@@ -36,6 +36,34 @@ import torch
 from mode.model import LM, build_model
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# What `mode generate` and a `mode eval` task's generation_kwargs (mode.harness) accept for the same values.
+SAMPLING = {"max_new_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+            "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+            "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = all)"),
+            "top_p": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+            "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "non-empty strings"),
+            "seed": (lambda v: _int(v) and -2**63 <= v < 2**64,
+                     "an integer in [-2**63, 2**64) (torch.Generator's range)")}
+
+
+def check_sampling(values: list[tuple[str, str, object]]) -> None:
+    """(key as the user wrote it, rule of SAMPLING, value) each: the first bad one is a ConfigError."""
+    from mode.config import ConfigError
+
+    for key, rule, value in values:
+        ok, allowed = SAMPLING[rule]
+        if not ok(value):
+            raise ConfigError(key, value, allowed)
+
+
 @dataclass
 class Trace:
     tokens_BT: torch.Tensor

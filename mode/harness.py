@@ -67,7 +67,7 @@ def rows_independent(model, routing: str) -> bool:
     return not has_moe(layer_plan(model.cfg)) or model.cfg.moe.inference_capacity_factor is None
 
 
-# A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.cli.SAMPLING's rule of each.
+# A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.generate.SAMPLING's rule of each.
 GEN_KWARGS = {"max_gen_toks": "max_new_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
               "until": "stop", "seed": "seed"}
 
@@ -77,7 +77,7 @@ def check_gen_kwargs(kw, where: str = "") -> None:
     false; null until/top_k/top_p/seed/do_sample mean the default, an empty `until` string is
     skipped. ConfigError (`where` prefixes the key) before anything is generated: a bad value was
     a ValueError mid-evaluation, or silently changed (top_p 0 -> 1, temperature nan -> greedy)."""
-    from mode.cli import check_sampling
+    from mode.generate import check_sampling
 
     if not isinstance(kw, dict):
         raise ConfigError(f"{where}generation_kwargs", kw, "a mapping")

@@ -288,7 +288,7 @@ BAD_GEN_KWARGS = {  # generation_kwargs lines -> the line mode eval prints; what
 def test_bad_generation_kwargs_of_a_task_are_one_line_before_anything_is_generated(tmp_path, capsys, monkeypatch):
     """Bugs caught: a task's generation_kwargs were read only while generating (mid-evaluation
     errors) or changed silently, though `mode generate` refuses the same values. Now checked by the
-    same rules (mode.cli.check_sampling) when the task is loaded, before anything is evaluated."""
+    same rules (mode.generate.check_sampling) when the task is loaded, before anything is evaluated."""
     import mode.harness as h
 
     evaluated = []
