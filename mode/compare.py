@@ -209,18 +209,11 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
             raise _bad(path, f"launcher_options.{k}={v!r}: {allowed}")
 
 
-def _user_path(v: str) -> str:
-    """A path the user wrote, `~` expanded: the shell expands it on a command line, not in a YAML
-    value or a quoted argument, and a literal `./~/` would hold the grid's files (`..` folded: see
-    mode.config.user_path)."""
-    return user_path(v)
-
-
 def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Experiment:
     """runs_dir (`--runs-dir`) replaces the experiment's runs_dir and its report_dir."""
     from mode.rundir import check_place
 
-    path = Path(_user_path(str(path)))
+    path = Path(user_path(str(path)))  # paths in YAML get `~` expanded here: no shell expands them
     if not path.is_file():
         raise ConfigError("EXPERIMENT", str(path), "an existing experiment YAML file")
     try:
@@ -241,7 +234,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     options = raw.get("launcher_options") or {}
     if not isinstance(options, dict):
         raise _bad(path, "launcher_options must be a mapping")
-    options = {k: _user_path(v) if k in ("hostfile", "script") and isinstance(v, str) else v
+    options = {k: user_path(v) if k in ("hostfile", "script") and isinstance(v, str) else v
                for k, v in options.items()}
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
     _check_options(options, launcher, path)
@@ -285,11 +278,11 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
         from analysis.outdir import check_report_dir
         from mode.rundir import REPORT, check_outside_runs, run_broken_by
 
-        if run_broken_by(_user_path(str(report_dir)), REPORT) not in (None, runs.resolve()):  # runs_dir may hold reports
+        if run_broken_by(user_path(str(report_dir)), REPORT) not in (None, runs.resolve()):  # runs_dir may hold reports
             check_outside_runs(str(report_dir), "report_dir", owned=REPORT)
-        check_report_dir(_user_path(str(report_dir)), "report_dir", str(report_dir))
+        check_report_dir(user_path(str(report_dir)), "report_dir", str(report_dir))
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=runs,
-                      report_dir=Path(_user_path(str(report_dir))) if report_dir else None,
+                      report_dir=Path(user_path(str(report_dir))) if report_dir else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
@@ -405,7 +398,7 @@ def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | No
         config = v["config"]
         if not isinstance(config, str):
             raise _bad(exp.path, f"variants.{name}.config must be a path")
-        cfg_path = (exp.path.parent / _user_path(config)).resolve()
+        cfg_path = (exp.path.parent / user_path(config)).resolve()
         own = _str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides")
         _not_per_run(own, f"experiment {exp.path}: variants.{name}.overrides: ")
         for s in seeds:
