@@ -48,6 +48,8 @@ SIGNATURES = (CHECKPOINTS, "tb", "run_info.json", LOCK)
 RUN_PROOFS = (CHECKPOINTS, "tb", "run_info.json")
 RUN_INFO_KEYS = {"world_size", "forward_flops_per_token", "tokens_per_step"}  # some of what train.py writes
 STEP_ENTRY = re.compile(r"^step_\d{8}(\.tmp|\.bad\d*)?$")  # mode/checkpoint.py's names (.bad2, ...: _move_aside)
+# DeepSpeed's ZeRO save (stages 1, 2) copies its recovery scripts beside the tag directories, into checkpoints/
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # Written before the trainer starts by the job that starts it (its live log): never emptied by fresh.
 JOB_LOGS = "slurm"
 # Never deleted by fresh either (see above): a stale report of the old run is rewritten by the next
@@ -116,7 +118,8 @@ def _signature(p: Path) -> bool | None:
         if not entries:
             return None
         if p.name == CHECKPOINTS:  # step_NNNNNNNN directories, being written (.tmp) or moved aside (.bad)
-            return all(STEP_ENTRY.match(e.name) and e.is_dir() for e in entries)
+            steps = [bool(STEP_ENTRY.match(e.name)) and e.is_dir() for e in entries]
+            return any(steps) and all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for s, e in zip(steps, entries))
         # TensorBoard event files: consistent with a run, but any TensorBoard user writes them
         return None if all(e.name.startswith("events.out.tfevents.") for e in entries) else False
     try:
@@ -202,9 +205,11 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
                                             f"mode did not write, so it will not {what} it")
         entries = sorted(p.name for p in d.iterdir() if p.name != JOB_LOGS)
         if entries and not is_mode_run(d):  # e.g. the user's own config.yaml, which a start would overwrite
+            odd = [s for s in SIGNATURES if (d / s).exists() and _signature(d / s) is False]
+            why = (f"its {', '.join(odd)} {'holds' if len(odd) == 1 else 'hold'} what mode does not write there" if odd
+                   else "no LOCK, run_info.json or step_N checkpoints as mode writes them")
             raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {shown(entries)} but is "
-                                            "not a mode run (no LOCK, run_info.json or step_N checkpoints as mode "
-                                            f"writes them), so it will not {what} it")
+                                            f"not a mode run ({why}), so it will not {what} it")
         if lock:
             check_lock(d, key)
     ancestor = existing_base(d, key, run_dir)

@@ -157,6 +157,31 @@ def test_fresh_empties_only_a_mode_run(tmp_path):
     lock.release()
 
 
+def test_deepspeed_recovery_scripts_beside_the_checkpoints_are_part_of_a_run(tmp_path):
+    """Bug caught: at ZeRO 1/2 DeepSpeed's save copies zero_to_fp32.py and zero_to_torch.py into
+    checkpoints/; the directory then no longer looked like mode's, so every stopped ZeRO run (the
+    cluster preset's ZeRO 1) was refused on resume ("not a mode run"). A file of another name there,
+    or the scripts without a checkpoint, still do not make a run."""
+    from mode import rundir
+    from mode.config import ConfigError
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    (ck / "step_00000002").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    for name in rundir.DEEPSPEED_SCRIPTS:
+        (ck / name).write_text("# DeepSpeed's\n")
+    assert rundir.is_mode_run(run)
+    rundir.check(str(run), False, lock=False)  # resumable
+    (ck / "notes.txt").write_text("mine")
+    assert not rundir.is_mode_run(run)
+    with pytest.raises(ConfigError, match=r"not a mode run \(its checkpoints holds what mode does not write there\)"):
+        rundir.check(str(run), False, lock=False)  # (it said "no LOCK, ... or step_N checkpoints" beside them)
+    (ck / "notes.txt").unlink()
+    (ck / "step_00000002").rmdir()
+    assert not rundir.is_mode_run(run)
+
+
 @pytest.mark.parametrize("entry", ["config.yaml", "eval"])
 def test_a_directory_that_is_not_a_run_is_never_written_or_emptied(tmp_path, monkeypatch, capsys, entry):
     """Bug caught: `mode train --config exp/config.yaml run.dir=exp run.fresh=true` deleted the user's

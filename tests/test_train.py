@@ -72,6 +72,22 @@ def test_resume_is_exact_two_processes(tmp_path, straight):
 
 
 @pytest.mark.slow
+def test_resume_is_exact_at_zero_stage_1(tmp_path, straight):
+    """Bug caught: at ZeRO 1/2 DeepSpeed copies its recovery scripts into checkpoints/, and the resume
+    of every stopped run was refused ("not a mode run"): the cluster preset trains at ZeRO 1."""
+    def zero1(*overrides):
+        return one_process("deepspeed.zero_stage=1", f"data.prepared_dir={straight / 'prepared_one'}", *overrides)
+
+    side_by_side(lambda: zero1(f"run.dir={tmp_path / 'straight'}"),
+                 lambda: zero1("train.stop_at=6", f"run.dir={tmp_path / 'resumed'}"))
+    assert (tmp_path / "resumed" / "checkpoints" / "zero_to_fp32.py").is_file()  # what DeepSpeed writes there
+    zero1(f"run.dir={tmp_path / 'resumed'}")
+    for tag in ("train/loss", "eval/loss"):
+        a, b = scalars(tmp_path / "straight", tag), scalars(tmp_path / "resumed", tag)
+        assert a and a == b, (tag, a, b)  # bit for bit
+
+
+@pytest.mark.slow
 def test_resume_is_exact_when_training_draws_random_numbers(tmp_path):
     """Bug caught: on CPU the peak for MFU was measured (torch.randn) after the resume had restored
     the RNG states, so with router jitter every step after the resume differed from the straight run."""
