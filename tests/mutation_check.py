@@ -356,6 +356,8 @@ MUTANTS = [
     ("a task's bad generation_kwargs found mid-evaluation", "mode/harness.py",
      '                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")', "                pass",
      ["tests/test_harness.py"]),
+    ("DeepSpeed's ZeRO recovery scripts make checkpoints/ foreign (ZeRO runs never resume)", "mode/rundir.py",
+     "all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for", "all(s or False for", CKPT),
 ]
 
 
