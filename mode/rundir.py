@@ -119,7 +119,9 @@ def _signature(p: Path) -> bool | None:
             return None
         if p.name == CHECKPOINTS:  # step_NNNNNNNN directories, being written (.tmp) or moved aside (.bad)
             steps = [bool(STEP_ENTRY.match(e.name)) and e.is_dir() for e in entries]
-            return any(steps) and all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for s, e in zip(steps, entries))
+            if not all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for s, e in zip(steps, entries)):
+                return False
+            return True if any(steps) else None  # the scripts alone: a first ZeRO save that failed after them
         # TensorBoard event files: consistent with a run, but any TensorBoard user writes them
         return None if all(e.name.startswith("events.out.tfevents.") for e in entries) else False
     try:

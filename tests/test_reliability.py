@@ -160,8 +160,9 @@ def test_fresh_empties_only_a_mode_run(tmp_path):
 def test_deepspeed_recovery_scripts_beside_the_checkpoints_are_part_of_a_run(tmp_path):
     """Bug caught: at ZeRO 1/2 DeepSpeed's save copies zero_to_fp32.py and zero_to_torch.py into
     checkpoints/; the directory then no longer looked like mode's, so every stopped ZeRO run (the
-    cluster preset's ZeRO 1) was refused on resume ("not a mode run"). A file of another name there,
-    or the scripts without a checkpoint, still do not make a run."""
+    cluster preset's ZeRO 1) was refused on resume ("not a mode run"), and a run whose first save
+    failed after DeepSpeed wrote them could neither resume nor start over. A file of another name
+    there, or the scripts alone, still do not make a run."""
     from mode import rundir
     from mode.config import ConfigError
 
@@ -179,7 +180,10 @@ def test_deepspeed_recovery_scripts_beside_the_checkpoints_are_part_of_a_run(tmp
         rundir.check(str(run), False, lock=False)  # (it said "no LOCK, ... or step_N checkpoints" beside them)
     (ck / "notes.txt").unlink()
     (ck / "step_00000002").rmdir()
-    assert not rundir.is_mode_run(run)
+    assert not rundir.is_mode_run(run)  # the scripts prove nothing alone...
+    (run / "run_info.json").write_text('{"world_size": 1}')
+    assert rundir.is_mode_run(run)  # ...nor stop a run whose first save failed after them from resuming
+    rundir.check(str(run), True, lock=False)  # or from starting over
 
 
 @pytest.mark.parametrize("entry", ["config.yaml", "eval"])
