@@ -146,7 +146,8 @@ class ModConfig:
         _check(self.predictor_loss_weight >= 0, "model.mod.predictor_loss_weight", self.predictor_loss_weight, ">= 0")
         _check(self.predictor_hidden >= 0, "model.mod.predictor_hidden", self.predictor_hidden, ">= 0")
         if n_routed:  # a zero weight leaves the causal router untrained (the predictor's input is detached)
-            for name, modes in (("aux_loss_weight", ("aux_loss", "both")), ("predictor_loss_weight", ("predictor", "both"))):
+            for name, modes in (("aux_loss_weight", ("aux_loss", "both")),
+                                ("predictor_loss_weight", ("predictor", "both"))):
                 _check(self.causal not in modes or getattr(self, name) > 0, f"model.mod.{name}", getattr(self, name),
                        f"> 0 with model.mod.causal={self.causal} (it is that router's only training signal)")
 
@@ -206,7 +207,8 @@ class MoEConfig:
         _check(self.drop_policy in ("position", "probability"), k + "drop_policy", self.drop_policy,
                "position or probability")
         _check(self.noop_balance in ("exclude", "include"), k + "noop_balance", self.noop_balance, "exclude or include")
-        _check(0 <= self.jitter < 1, k + "jitter", self.jitter, "in [0, 1) (the router input is scaled by U(1 - jitter, 1 + jitter))")
+        _check(0 <= self.jitter < 1, k + "jitter", self.jitter,
+               "in [0, 1) (the router input is scaled by U(1 - jitter, 1 + jitter))")
         _check(self.lb_loss_weight >= 0, k + "lb_loss_weight", self.lb_loss_weight, ">= 0")
         _check(self.z_loss_weight >= 0, k + "z_loss_weight", self.z_loss_weight, ">= 0")
         _check(self.backend in ("native", "deepspeed", "megablocks"), k + "backend", self.backend,

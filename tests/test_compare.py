@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.util import PY, ROOT, TINY, env, mode_cli, scalars
+from tests.util import PY, ROOT, TINY, env, mode_cli, mode_here, scalars
 
 STEPS = 6
 
@@ -35,24 +35,6 @@ def experiment(tmp_path: Path, launcher: str = "local", **extra) -> Path:
 
 def last_line(r) -> str:
     return r.stdout.strip().splitlines()[-1]
-
-
-def compare_here(capsys, monkeypatch, *args) -> subprocess.CompletedProcess:
-    """`mode compare ...` in this process, from the repository root, where the test is not about the
-    process (what it refuses or prints, the scripts it writes): its return code, stdout and stderr as
-    a CompletedProcess. The SIGTERM/SIGINT handlers a real run installs are put back."""
-    from mode.compare import main
-
-    monkeypatch.chdir(ROOT)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in args])
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["mode", "compare", *map(str, args)], rc, out.out, out.err)
 
 
 @pytest.mark.slow
@@ -87,7 +69,7 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monk
 
     # Everything done: nothing is trained again (in-process: no trainer may start).
     t0 = time.monotonic()
-    r = compare_here(capsys, monkeypatch, exp)
+    r = mode_here(capsys, monkeypatch, "compare", exp)
     assert r.returncode == 0 and r.stderr.count("done, skipped") == 2 and "DeepSpeed" not in r.stderr
     assert last_line(r) == f"report: {report}"
     print(f"\nsecond invocation with every run done: {time.monotonic() - t0:.1f}s")
@@ -105,18 +87,18 @@ def test_bad_grid_is_refused_before_any_run_starts(tmp_path, capsys, monkeypatch
     assert len(errors) == 1 and errors[0].startswith("config error: variant mod (seed 0"), r.stderr
     assert "model.mod.capacity=1.5" in errors[0] and not (tmp_path / "runs").exists()
 
-    r = compare_here(capsys, monkeypatch, exp, "--only", "moe")  # (the process's one-line check: above)
+    r = mode_here(capsys, monkeypatch, "compare", exp, "--only", "moe")  # (the process's one-line check: above)
     assert r.returncode == 2 and "config error: --only moe: not a variant" in r.stderr
 
     spec["variants"]["mod"] = {"confg": "x.yaml"}
     exp.write_text(yaml.safe_dump(spec))
-    r = compare_here(capsys, monkeypatch, exp)
+    r = mode_here(capsys, monkeypatch, "compare", exp)
     assert r.returncode == 2 and "variants.mod must be a mapping with a `config:` path" in r.stderr
 
 
 def test_dry_run_expands_variants_and_seeds(tmp_path, capsys, monkeypatch):
     exp = experiment(tmp_path, seeds=[0, 1], nproc=2)
-    r = compare_here(capsys, monkeypatch, exp, "--dry-run", "--only", "mod")
+    r = mode_here(capsys, monkeypatch, "compare", exp, "--dry-run", "--only", "mod")
     cmds = r.stdout.strip().splitlines()
     assert len(cmds) == 2 and "[2/2] mod_seed1: new run, 6 steps" in r.stderr
     assert all("deepspeed.launcher.runner" in c and "--num_gpus 2" in c and "--module mode.train" in c for c in cmds)
@@ -127,7 +109,7 @@ def test_dry_run_expands_variants_and_seeds(tmp_path, capsys, monkeypatch):
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     exp = experiment(tmp_path, launcher="deepspeed", launcher_options={
         "hostfile": str(hostfile), "num_nodes": 2, "num_gpus": 2, "master_port": 29511, "env": {"NCCL_DEBUG": "WARN"}})
-    r = compare_here(capsys, monkeypatch, exp, "--dry-run")
+    r = mode_here(capsys, monkeypatch, "compare", exp, "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "-m launch.run --launcher deepspeed --hostfile" in r.stdout and "--num_nodes 2 --num_gpus 2" in r.stdout
     assert "--env NCCL_DEBUG=WARN" in r.stdout
@@ -144,7 +126,7 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path, capsys, monke
         f.chmod(0o755)
     exp = experiment(tmp_path, launcher="slurm", launcher_options={
         "num_nodes": 2, "num_gpus": 4, "sbatch_args": ["--partition=gpu"]})
-    r = compare_here(capsys, monkeypatch, exp)
+    r = mode_here(capsys, monkeypatch, "compare", exp)
     assert r.returncode == 0, r.stderr
     script = tmp_path / "runs" / "slurm" / "dense_seed0.sh"
     text = script.read_text()
@@ -158,10 +140,10 @@ def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path, capsys, monke
     spec["launcher_options"]["submit"] = True
     exp.write_text(yaml.safe_dump(spec))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")  # these sbatch/squeue (real SLURM: test_cluster.py)
-    r = compare_here(capsys, monkeypatch, exp)
+    r = mode_here(capsys, monkeypatch, "compare", exp)
     assert r.returncode == 0 and r.stderr.count("submitted job 1000") == 2 and len(log.read_text().splitlines()) == 2
     assert "--parsable" in log.read_text()
-    r = compare_here(capsys, monkeypatch, exp)
+    r = mode_here(capsys, monkeypatch, "compare", exp)
     assert r.returncode == 0 and r.stderr.count("is queued or running") == 2 and len(log.read_text().splitlines()) == 2
 
 

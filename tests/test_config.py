@@ -3,7 +3,7 @@
 import pytest
 
 from mode.config import ConfigError, load_config, markdown_reference, parse_yaml
-from tests.util import ROOT, mode_cli
+from tests.util import ROOT, mode_cli, mode_here
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
@@ -69,32 +69,22 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing started
 
 
-def cli(argv, capsys, monkeypatch) -> tuple[int, str, str]:
-    """`mode ...` in this process from the repository root (what the one real process above checks
-    end to end: these only need the CLI's return code and output)."""
-    from mode.cli import main
-
-    monkeypatch.chdir(ROOT)
-    rc = main(argv)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_cli_missing_config_file(capsys, monkeypatch):
-    rc, _, err = cli(["train", "--config", "nope.yaml"], capsys, monkeypatch)
-    assert rc == 2 and err.strip().startswith("config error: --config='nope.yaml'")
+    r = mode_here(capsys, monkeypatch, "train", "--config", "nope.yaml")
+    assert r.returncode == 2 and r.stderr.strip().startswith("config error: --config='nope.yaml'")
 
 
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path, capsys, monkeypatch):
-    rc, _, err = cli(["train", "--config", "configs/tiny/dense.yaml", "model.vocab_size=200", f"run.dir={tmp_path}/r"],
-                     capsys, monkeypatch)
-    assert rc == 2 and "model.vocab_size=200" in err and not (tmp_path / "r").exists()
+    r = mode_here(capsys, monkeypatch, "train", "--config", "configs/tiny/dense.yaml", "model.vocab_size=200",
+                  f"run.dir={tmp_path}/r")
+    assert r.returncode == 2 and "model.vocab_size=200" in r.stderr and not (tmp_path / "r").exists()
 
 
 def test_print_config_resolves(capsys, monkeypatch):
-    rc, out, _ = cli(["train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17", "--print-config",
-                      "train.log_every=3"], capsys, monkeypatch)  # overrides on both sides of an option
-    assert rc == 0 and "max_steps: 17" in out and "log_every: 3" in out and "d_model: 128" in out
+    r = mode_here(capsys, monkeypatch, "train", "--config", "configs/tiny/dense.yaml", "train.max_steps=17",
+                  "--print-config", "train.log_every=3")  # overrides on both sides of an option
+    assert r.returncode == 0 and "d_model: 128" in r.stdout
+    assert "max_steps: 17" in r.stdout and "log_every: 3" in r.stdout
 
 
 def test_every_field_documented():

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.malformed import all_cases, run_case
-from tests.util import PY, ROOT, TINY, env, fake_checkpoint, free_port, main_guarded, mode_cli, scalars, side_by_side
+from tests.util import (PY, ROOT, TINY, env, fake_checkpoint, free_port, main_guarded, mode_cli, mode_here, scalars,
+                        side_by_side)
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -1136,21 +1137,17 @@ def test_a_start_waiting_on_a_build_whose_builder_dies_stops_in_one_line(tmp_pat
 
 
 def test_fresh_on_a_users_directory_deletes_nothing(tmp_path, monkeypatch, capsys):
-    from mode.cli import main
-
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "thesis.tex").write_text("years of work")
-    monkeypatch.chdir(ROOT)  # the real CLI, in-process: run.dir='' would be this directory
-    assert main(["train", "--config", CFG, *TINY, f"run.dir={notes}", "run.fresh=true"]) == 2
-    lines = one_line(capsys.readouterr().err)
-    assert len(lines) == 1 and "thesis.tex" in lines[0], lines
+    r = mode_here(capsys, monkeypatch, "train", "--config", CFG, *TINY, f"run.dir={notes}", "run.fresh=true")
+    lines = one_line(r.stderr)
+    assert r.returncode == 2 and len(lines) == 1 and "thesis.tex" in lines[0], lines
     assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
-    # an empty run.dir (an unset shell variable) with fresh: the current directory is untouched
+    # an empty run.dir (an unset shell variable) with fresh: the current directory (ROOT) is untouched
     cwd_before = sorted(p.name for p in ROOT.iterdir())
-    assert main(["train", "--config", CFG, *TINY, "run.dir=", "run.fresh=true"]) == 2
-    err = capsys.readouterr().err
-    assert one_line(err)[0].startswith("config error: run.dir=''"), err
+    r = mode_here(capsys, monkeypatch, "train", "--config", CFG, *TINY, "run.dir=", "run.fresh=true")
+    assert r.returncode == 2 and one_line(r.stderr)[0].startswith("config error: run.dir=''"), r.stderr
     assert sorted(p.name for p in ROOT.iterdir()) == cwd_before
 
 

@@ -39,6 +39,26 @@ def mode_cli(*args, check=True, timeout=600, threads=2, extra_env=None, cwd=ROOT
     return r
 
 
+def mode_here(capsys, monkeypatch, *args) -> subprocess.CompletedProcess:
+    """`mode ...` in this process, from the repository root, for a test about what a command refuses,
+    prints or writes rather than about its process (mode_cli starts one): the return code, stdout and
+    stderr as a CompletedProcess. The SIGTERM/SIGINT handlers a command installs (compare) are put back."""
+    import signal
+
+    from mode.cli import main
+
+    monkeypatch.chdir(ROOT)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in args])
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["mode", *map(str, args)], rc, out.out, out.err)
+
+
 def leaked_shm(port: int) -> list[str]:
     """Shared-memory segments DeepSpeed's CPU comm op made for a run on `port` still in /dev/shm
     (mode.engine.shm_buffer names them; a finished run must leave none: 66 MB of RAM each)."""
