@@ -70,13 +70,16 @@ def rows_independent(model, routing: str) -> bool:
 # A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.generate.SAMPLING's rule of each.
 GEN_KWARGS = {"max_gen_toks": "max_new_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
               "until": "stop", "seed": "seed"}
+IMPLEMENTED = (*GEN_KWARGS, "do_sample")  # do_sample: lm-eval's switch between greedy and temperature
 
 
-def check_gen_kwargs(kw, where: str = "") -> None:
+def check_gen_kwargs(kw, where: str = "") -> list[str]:
     """A task's generation_kwargs by `mode generate`'s rules for the same values, do_sample true or
-    false; null until/top_k/top_p/seed/do_sample mean the default, an empty `until` string is
-    skipped. ConfigError (`where` prefixes the key) before anything is generated: a bad value was
-    a ValueError mid-evaluation, or silently changed (top_p 0 -> 1, temperature nan -> greedy)."""
+    false; null until/top_k/top_p/seed/do_sample mean the default, an empty `until` string (bare or
+    in a list) is no stop sequence, as in lm-eval. ConfigError (`where` prefixes the key) before
+    anything is generated: a bad value was a ValueError mid-evaluation, or silently changed (top_p
+    0 -> 1, temperature nan -> greedy). Returns the keys mode does not implement (num_beams, ...):
+    not refused, since standard tasks carry harmless extras, but the caller says they are ignored."""
     from mode.generate import check_sampling
 
     if not isinstance(kw, dict):
@@ -88,10 +91,18 @@ def check_gen_kwargs(kw, where: str = "") -> None:
         v = kw.get(k)
         if k not in kw or (v is None and k in ("until", "top_k", "top_p", "seed")):
             continue
-        if k == "until":
-            v = [v] if isinstance(v, str) else [x for x in v if x != ""] if isinstance(v, list) else v
+        if k == "until" and isinstance(v, (str, list)):
+            v = [x for x in ([v] if isinstance(v, str) else v) if x != ""]
         values.append((f"{where}generation_kwargs.{k}", rule, v))
     check_sampling(values)
+    return [str(k) for k in kw if k not in IMPLEMENTED]
+
+
+def ignored_gen_kwargs_line(task: str, ignored: list[str]) -> str:
+    """The warning for a task whose generation_kwargs ask for what mode does not do (a beam search
+    would be scored greedy without it)."""
+    return (f"warning: task {task}: generation_kwargs {', '.join(ignored)} ignored "
+            f"(mode implements {', '.join(IMPLEMENTED)})")
 
 
 class Scorer:
@@ -349,7 +360,9 @@ def _task_manager(tasks: list[str], include_path: str | None):
                 _data_error(t, e)
         for name, task in loaded["tasks"].items():  # before anything is evaluated, not mid-evaluation
             if task.get_config("output_type") == "generate_until":
-                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
+                ignored = check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
+                if ignored:
+                    print(ignored_gen_kwargs_line(name, ignored), file=sys.stderr, flush=True)
     return tm, offline
 
 

@@ -356,6 +356,12 @@ MUTANTS = [
     ("a task's bad generation_kwargs found mid-evaluation", "mode/harness.py",
      '                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")', "                pass",
      ["tests/test_harness.py"]),
+    # Session 16
+    ("a task's unimplemented generation_kwargs (num_beams) ignored silently", "mode/harness.py",
+     "                if ignored:\n", "                if False:\n", ["tests/test_harness.py"]),
+    ("a bare `until: \"\"` refused (an empty string in a list is skipped)", "mode/harness.py",
+     'v = [x for x in ([v] if isinstance(v, str) else v) if x != ""]',
+     'v = [v] if isinstance(v, str) else [x for x in v if x != ""]', ["tests/test_harness.py"]),
     ("DeepSpeed's ZeRO recovery scripts make checkpoints/ foreign (ZeRO runs never resume)", "mode/rundir.py",
      "all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for", "all(s or False for", CKPT),
 ]

@@ -310,6 +310,38 @@ def test_bad_generation_kwargs_of_a_task_are_one_line_before_anything_is_generat
         lm.generate_until([ok, bad])
 
 
+def test_a_tasks_unimplemented_generation_kwargs_are_one_warning_line(tmp_path, capsys):
+    """Bug caught: keys mode does not implement (num_beams: a beam search) were dropped silently, so
+    the task was scored greedy with no notice. Now one warning line per task names them; the task
+    still loads (standard tasks carry harmless extras), and lm-eval's own do_sample is no extra."""
+    import mode.harness as h
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "b.yaml").write_text(_generate_task("beams", "num_beams: 4;repetition_penalty: 1.1"))
+    (tmp_path / "tasks" / "p.yaml").write_text(_generate_task("plain", "do_sample: false;max_gen_toks: 8"))
+    h._task_manager(["beams", "plain"], str(tmp_path / "tasks"))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "warning: task beams: generation_kwargs num_beams, repetition_penalty ignored "
+        "(mode implements max_gen_toks, temperature, top_k, top_p, until, seed, do_sample)"]
+    assert h.check_gen_kwargs({"until": ["\n"], "do_sample": False, "max_gen_toks": 4}) == []
+
+
+@pytest.mark.parametrize("until", ['""', '["", "\\n"]', "null", "[]"])
+def test_an_empty_until_string_is_no_stop_sequence(until):
+    """Bug caught: a bare `until: ""` was refused while the same empty string in a list was skipped
+    (lm-eval's generate_until reads it as no stop sequence). Both mean none now; the request ends
+    at max_gen_toks."""
+    import yaml
+
+    from mode.harness import check_gen_kwargs
+
+    kw = {"until": yaml.safe_load(until), "max_gen_toks": 4}
+    assert check_gen_kwargs(kw) == []
+    model, _ = tiny_model("dense")
+    (out,) = ModeLM(model=model, tokenizer=TOK).generate_until([Instance("generate_until", {}, ("def f(", kw), 0)])
+    assert len(TOK.encode(out)) <= 4
+
+
 def test_without_lm_eval_one_line_says_how_to_install(tmp_path, capsys, monkeypatch):
     import mode.harness
 
