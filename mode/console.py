@@ -77,6 +77,20 @@ def start_block(cfg: Config, params: int, flops: dict, world: int, device, peak:
     return "\n".join(lines)
 
 
+def schedule_warning(cfg: Config) -> str | None:
+    """A warmup as long as the run (smoke runs use one): mode.engine.lr_lambda then gives step i
+    (0-based) the LR lr * (i + 1) / warmup_steps to the end, so the LR peaks at the last step below
+    (or, with warmup_steps == max_steps, just at) optim.lr and never decays: said once at the start."""
+    o, n = cfg.optim, cfg.train.max_steps
+    if o.warmup_steps < n:
+        return None
+    head = f"warning: optim.warmup_steps={o.warmup_steps} >= train.max_steps={n}: the learning rate "
+    if o.warmup_steps == n:
+        return head + f"reaches optim.lr={o.lr} only at the last step (no cosine decay)"
+    return (head + f"rises to {o.lr * n / o.warmup_steps:.3g} at the last step and never reaches "
+            f"optim.lr={o.lr} (no cosine decay)")
+
+
 def progress_line(step: int, max_steps: int, vals: dict) -> str:
     """One plain line per log interval."""
     parts = [f"step {step}/{max_steps}", f"loss {vals['train/loss']:.4f}", f"lr {vals['train/lr']:.3g}",

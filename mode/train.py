@@ -293,6 +293,8 @@ class Trainer:
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, self.peak_src),
                                       self.step), flush=True)
+            if warning := console.schedule_warning(cfg):
+                print(warning, flush=True)
             sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             if sched:
                 note = (f"schedule changed at resumed step {self.step}: "

@@ -362,6 +362,8 @@ MUTANTS = [
     ("a bare `until: \"\"` refused (an empty string in a list is skipped)", "mode/harness.py",
      'v = [x for x in ([v] if isinstance(v, str) else v) if x != ""]',
      'v = [v] if isinstance(v, str) else [x for x in v if x != ""]', ["tests/test_harness.py"]),
+    ("a warmup longer than the run: the warning's LR peak one step short of the schedule's", "mode/console.py",
+     "o.lr * n / o.warmup_steps", "o.lr * (n - 1) / o.warmup_steps", ["tests/test_logging.py"]),
     ("DeepSpeed's ZeRO recovery scripts make checkpoints/ foreign (ZeRO runs never resume)", "mode/rundir.py",
      "all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for", "all(s or False for", CKPT),
 ]

@@ -560,3 +560,25 @@ def test_step_time_and_elapsed_count_every_step_when_an_eval_or_a_stop_falls_bet
     step_time, elapsed = scalars(run, "perf/step_time_s"), scalars(run, "perf/elapsed_s")
     assert list(step_time) == [2, 4] and all(v >= 1.0 for v in step_time.values()), step_time
     assert elapsed[4] >= 4 * 1.0, elapsed
+
+
+@pytest.mark.parametrize("warmup,max_steps,said", [
+    (100, 20, "the learning rate rises to 0.0006 at the last step and never reaches optim.lr=0.003"),
+    (20, 20, "the learning rate reaches optim.lr=0.003 only at the last step"),
+    (19, 20, None),
+])
+def test_a_warmup_as_long_as_the_run_is_one_warning_line(warmup, max_steps, said):
+    """Bug caught: optim.warmup_steps >= train.max_steps (smoke runs) was accepted in silence, so the
+    LR never got to optim.lr. The start now says so, with the peak the schedule really reaches."""
+    from mode.config import load_config
+    from mode.console import schedule_warning
+    from mode.engine import lr_lambda
+
+    cfg = load_config(CFG, ["optim.lr=0.003", f"optim.warmup_steps={warmup}", f"train.max_steps={max_steps}"])
+    line = schedule_warning(cfg)
+    if said is None:
+        assert line is None
+        return
+    assert line == f"warning: optim.warmup_steps={warmup} >= train.max_steps={max_steps}: {said} (no cosine decay)"
+    f = lr_lambda(cfg)  # the LR step i (0-based) trains with: the peak is the last step's
+    assert max(range(max_steps), key=f) == max_steps - 1 and f"{0.003 * f(max_steps - 1):.3g}" in line
