@@ -354,7 +354,8 @@ MUTANTS = [
     ("match_flops compares a variant with itself", "mode/compare.py",
      "and len(set(names)) == len(names) >= 2):", "and len(names) >= 2):", ["tests/test_compare.py"]),
     ("a task's bad generation_kwargs found mid-evaluation", "mode/harness.py",
-     '                check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")', "                pass",
+     '                ignored = check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")',
+     "                ignored = []",
      ["tests/test_harness.py"]),
     # Session 16
     ("a task's unimplemented generation_kwargs (num_beams) ignored silently", "mode/harness.py",
