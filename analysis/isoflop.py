@@ -27,7 +27,7 @@ import yaml
 
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, config_signature, forward_flops_per_token, load_runs,
                          variant_colors, variant_sort_key)
-from mode.config import ConfigError, parse_yaml
+from mode.config import ConfigError, is_number, parse_yaml
 
 BUDGETS_ALLOWED = "a positive FLOP number or a non-empty list of them, e.g. [1.0e15, 3.0e15]"
 # What an isoFLOP sweep varies between the runs of one curve: the model's size and, to hold the
@@ -46,7 +46,7 @@ def parse_budgets(experiment: dict) -> list[float] | None:
     out = []
     for b in raw if isinstance(raw, list) else [raw]:
         try:
-            v = float(b) if isinstance(b, (int, float, str)) and not isinstance(b, bool) else math.nan
+            v = float(b) if isinstance(b, str) or is_number(b) else math.nan
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and v > 0):

@@ -87,7 +87,7 @@ from pathlib import Path
 
 import yaml
 
-from mode.config import Config, ConfigError, parse_yaml, user_path
+from mode.config import Config, ConfigError, is_int, is_number, parse_yaml, user_path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "slurm")
@@ -158,7 +158,7 @@ def _str_list(v, path: Path, key: str) -> list[str]:
 
 
 def _seed_list(v, path: Path, key: str) -> list[int]:
-    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    if not isinstance(v, list) or not v or not all(is_int(x) for x in v):
         raise _bad(path, f"{key} must be a non-empty list of integers, got {v!r}")
     return list(dict.fromkeys(v))
 
@@ -177,18 +177,15 @@ PORT = "an integer port 1-65535"  # also launch.run's --master_port/--ssh_port
 
 
 def is_port(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
+    return is_int(v, 1) and v <= 65535
 
 
 def _check_options(o: dict, launcher: str, path: Path) -> None:
     """Types and ranges of launcher_options, before any command is built from them (an sbatch_args
     string would be split into characters, num_nodes 0 would be a world of 0 ranks)."""
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    rules = {"num_nodes": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
-             "num_gpus": ((lambda v: is_int(v) and v >= 0, "an integer >= 0 (0: a partition without GPUs, nproc "
-                           "ranks per node)") if launcher == "slurm" else (lambda v: is_int(v) and v >= 1,
+    rules = {"num_nodes": (lambda v: is_int(v, 1), "an integer >= 1"),
+             "num_gpus": ((lambda v: is_int(v, 0), "an integer >= 0 (0: a partition without GPUs, nproc "
+                           "ranks per node)") if launcher == "slurm" else (lambda v: is_int(v, 1),
                                                                           "an integer >= 1 (processes per node)")),
              "master_port": (is_port, PORT),
              "ssh_port": (is_port, PORT),
@@ -201,7 +198,7 @@ def _check_options(o: dict, launcher: str, path: Path) -> None:
              "submit": (lambda v: isinstance(v, bool), "true or false"),
              "env": (lambda v: isinstance(v, dict) and all(
                          isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
-                         and isinstance(x, (str, int, float)) and not isinstance(x, bool) for k, x in v.items()),
+                         and (isinstance(x, str) or is_number(x)) for k, x in v.items()),
                      "a mapping of shell variable names to strings or numbers")}
     for k, v in o.items():
         ok, allowed = rules[k]
@@ -239,7 +236,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
     _check_options(options, launcher, path)
     nproc = raw.get("nproc", 1)
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= MAX_NPROC:
+    if not is_int(nproc, 1) or nproc > MAX_NPROC:
         raise _bad(path, f"nproc={nproc!r}: an integer 1-{MAX_NPROC} (ranks per node)")
     variants = raw.get("variants")
     if not isinstance(variants, dict) or not variants:
@@ -261,7 +258,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
             raise _bad(path, f"match_flops.variants={names!r}: a list of two or more of the variants, each once "
                              f"({', '.join(map(str, variants))})")
         tol = match.get("tolerance", 0.02)
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        if not is_number(tol) or not 0 <= tol < 1:
             raise _bad(path, f"match_flops.tolerance={tol!r}: a fraction in [0, 1), e.g. 0.02")
     from analysis.isoflop import parse_budgets  # the one reader of `budgets:` (also `mode analyze --experiment`)
 

@@ -31,6 +31,17 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {text}")
 
 
+def is_int(v, least: float = -math.inf) -> bool:
+    """An integer >= least, never a bool (True is an int to Python: `num_nodes: true` is not 1 node).
+    The one spelling of the check: every config, manifest and option reader uses it."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def is_number(v) -> bool:
+    """An int or a float, never a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def user_path(p: str) -> str:
     """A path as the user wrote it, `~` expanded and `.`/`..` folded (lexically): every check and
     every write then name one directory. Unfolded, `runs/x/..` was checked as a directory that does
@@ -640,7 +651,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, value, "a mapping")
         return _build(tp, value, key + ".")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if tp is float and is_int(value):
         value = float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
         try:
@@ -649,7 +660,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             pass
     if tp is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(key, value, "a finite number")
-    if tp is bool and not isinstance(value, bool) or not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+    if not (is_int(value) if tp is int else isinstance(value, tp)):
         raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
     if tp is int and not -2**63 <= value < 2**63:  # torch and numpy take int64: larger fails after workers start
         raise ConfigError(key, value, "an integer in [-2**63, 2**63)")

@@ -33,24 +33,17 @@ from pathlib import Path
 
 import torch
 
+from mode.config import is_int, is_number
 from mode.model import LM, build_model
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 # What `mode generate` and a `mode eval` task's generation_kwargs (mode.harness) accept for the same values.
-SAMPLING = {"max_new_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
-            "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
-            "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = all)"),
-            "top_p": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+SAMPLING = {"max_new_tokens": (lambda v: is_int(v, 1), "an integer >= 1"),
+            "temperature": (lambda v: is_number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+            "top_k": (lambda v: is_int(v, 0), "an integer >= 0 (0 = all)"),
+            "top_p": (lambda v: is_number(v) and 0 < v <= 1, "in (0, 1]"),
             "stop": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "non-empty strings"),
-            "seed": (lambda v: _int(v) and -2**63 <= v < 2**64,
+            "seed": (lambda v: is_int(v, -2**63) and v < 2**64,
                      "an integer in [-2**63, 2**64) (torch.Generator's range)")}
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mode.config import ConfigError, DataConfig, looks_local
+from mode.config import ConfigError, DataConfig, is_int, looks_local
 
 MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
@@ -553,10 +553,6 @@ def damaged(key_value: str, path: Path, why: str) -> ConfigError:
     return ConfigError("data.prepared_dir", key_value, f"{path} is damaged ({why}); {REBUILD}")
 
 
-def _is_int(v, least: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= least
-
-
 def _is_name(v) -> bool:
     """A plain file name: a manifest never points outside its directory."""
     return isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v and "\0" not in v
@@ -576,10 +572,10 @@ def manifest_problem(m) -> str | None:
             return f"{k!r} is {type(m[k]).__name__}"
     if m["dtype"] not in ("uint16", "uint32"):
         return f"dtype {m['dtype']!r}, expected 'uint16' or 'uint32'"
-    if not _is_int(m["vocab_size"], 1) or not _is_int(m["eos_id"]) or m["eos_id"] >= m["vocab_size"]:
+    if not is_int(m["vocab_size"], 1) or not is_int(m["eos_id"], 0) or m["eos_id"] >= m["vocab_size"]:
         return f"vocab_size {m['vocab_size']!r} / eos_id {m['eos_id']!r}"
-    if not all(isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and _is_int(f[1])
-               and _is_int(f[2], -(1 << 63)) for f in m["fingerprint"]):
+    if not all(isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and is_int(f[1], 0)
+               and is_int(f[2], -(1 << 63)) for f in m["fingerprint"]):
         return "'fingerprint' is not a list of [path, size, mtime_ns]"
     for split in ("train", "val"):
         sp = m["splits"].get(split)
@@ -588,12 +584,12 @@ def manifest_problem(m) -> str | None:
         for k in ("tokens", "documents", "bytes", "shards"):
             if k not in sp:
                 return f"no {split} {k!r}"
-            if not (isinstance(sp[k], list) if k == "shards" else _is_int(sp[k])):
+            if not (isinstance(sp[k], list) if k == "shards" else is_int(sp[k], 0)):
                 return f"{split} {k!r} is {str(sp[k])[:60]}"
         for i, s in enumerate(sp["shards"]):
             if not (isinstance(s, dict) and _is_name(s.get("file")) and _is_name(s.get("docs"))
                     and ("doc_bytes" not in s or _is_name(s["doc_bytes"]))
-                    and _is_int(s.get("tokens"), 1) and _is_int(s.get("documents"), 1)):
+                    and is_int(s.get("tokens"), 1) and is_int(s.get("documents"), 1)):
                 return f"{split} shard {i} is not {{file, docs, [doc_bytes,] tokens, documents}}: {str(s)[:120]}"
         for k in ("tokens", "documents"):
             total = sum(s[k] for s in sp["shards"])

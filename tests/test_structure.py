@@ -157,6 +157,23 @@ def test_only_mode_checkpoint_spells_the_checkpoint_layout():
     assert offenders == []
 
 
+def test_only_mode_config_spells_the_integer_check():
+    # Bug caught: "an int, not a bool" spelled five times (generate's _int/_number, compare's nested
+    # is_int, prepare's _is_int, inline in config): one copy that forgets the bool lets `true` be 1.
+    import re
+
+    spelled = re.compile(r"isinstance\(.*\b(int|float)\b.*isinstance\(.*\bbool\)|isinstance\(.*\bbool\).*isinstance\(.*\b(int|float)\b")
+    assert spelled.search("isinstance(v, int) and not isinstance(v, bool)")  # the check sees them
+    assert spelled.search("if isinstance(v, bool) or not isinstance(v, (int, float)):")
+    defs = {"    return isinstance(v, int) and not isinstance(v, bool) and v >= least",  # mode.config.is_int
+            "    return isinstance(v, (int, float)) and not isinstance(v, bool)"}  # mode.config.is_number
+    offenders = [f"{f.relative_to(ROOT)}:{i}" for pkg in ("mode", "analysis", "launch", "benchmarks")
+                 for f in sorted((ROOT / pkg).rglob("*.py"))
+                 for i, line in enumerate(f.read_text().splitlines(), 1)
+                 if spelled.search(line) and not (f == ROOT / "mode" / "config.py" and line in defs)]
+    assert offenders == []
+
+
 @pytest.mark.parametrize("module", ["mode/engine.py", "mode/moe/deepspeed.py", "mode/lifeline.py"])
 def test_importing_the_engine_changes_no_environment(module, monkeypatch):
     # Bug caught: mode/engine.py set DS_ACCELERATOR (and with it every child process's accelerator)
