@@ -162,7 +162,8 @@ def test_only_mode_config_spells_the_integer_check():
     # is_int, prepare's _is_int, inline in config): one copy that forgets the bool lets `true` be 1.
     import re
 
-    spelled = re.compile(r"isinstance\(.*\b(int|float)\b.*isinstance\(.*\bbool\)|isinstance\(.*\bbool\).*isinstance\(.*\b(int|float)\b")
+    spelled = re.compile(r"isinstance\(.*\b(int|float)\b.*isinstance\(.*\bbool\)"
+                         r"|isinstance\(.*\bbool\).*isinstance\(.*\b(int|float)\b")
     assert spelled.search("isinstance(v, int) and not isinstance(v, bool)")  # the check sees them
     assert spelled.search("if isinstance(v, bool) or not isinstance(v, (int, float)):")
     defs = {"    return isinstance(v, int) and not isinstance(v, bool) and v >= least",  # mode.config.is_int
