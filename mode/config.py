@@ -122,7 +122,7 @@ class ModConfig:
     aux_loss_weight: float = 0.01
     """Weight of the router BCE loss (used when causal is aux_loss or both)."""
     predictor_loss_weight: float = 1.0
-    """Weight of the predictor BCE loss; it only trains the predictor (its input is detached)."""
+    """Weight of the predictor BCE loss; it only trains the predictor (its input is detached, and its own optimizer clips it by its own norm: the LM's update is the same at any weight)."""
     predictor_hidden: int = 0
     """Predictor MLP hidden width; 0 means d_model // 2."""
     threshold_momentum: float = 0.99
@@ -404,7 +404,7 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     grad_clip: float = 1.0
-    """Global gradient-norm clipping (0 = off)."""
+    """Global gradient-norm clipping (0 = off); the causal predictors are clipped apart, by their own norm."""
 
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")

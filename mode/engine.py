@@ -195,16 +195,75 @@ def fused_adamw(model: torch.nn.Module) -> bool:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; not norms, biases, embeddings or routers (scalars per token)."""
+    """Decay matrices; not norms, biases, embeddings or routers (scalars per token). The causal
+    predictors are not here: PredictorAdamW trains them."""
     decay, no_decay = [], []
+    own = {id(p) for p in predictor_params(model)}
     for n, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in own:
             continue
-        skip = p.dim() < 2 or "embed" in n or "router" in n or "predictor" in n
+        skip = p.dim() < 2 or "embed" in n or "router" in n
         (no_decay if skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
+
+
+def predictor_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The depth routers' causal predictors (model.mod.causal predictor/both), in module order."""
+    from mode.routing.depth import DepthRouter
+
+    return [p for m in model.modules() if isinstance(m, DepthRouter) and m.predictor is not None
+            for p in m.predictor.parameters()]
+
+
+class PredictorAdamW:
+    """The causal predictors' own optimizer. Their loss reaches no LM parameter (stop-gradient), and
+    here it does not reach the LM's update either: in the engine's optimizer their gradients counted
+    in the global norm that optim.grad_clip divides every gradient by, so predictor_loss_weight and the
+    causal mode changed how the LM trained (tiny MoD preset: LM weights 0.08 apart after 40 steps).
+    They are clipped by their own norm with the same grad_clip and stepped with the LM's AdamW
+    settings and current learning rate, without weight decay (as routers), in fp32 also under bf16
+    (as the router: near-ties decide). Data parallel: at ZeRO 0 the engine all-reduces every module
+    gradient, these included; ZeRO 1/2 reduce only their own partitions, so here one all-reduce of
+    the flattened predictor gradients averages them. Steps before the engine's step (which drops
+    every module gradient) on its own finite gradients; non-finite ones are dropped, no update."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module):
+        self.params = predictor_params(model)
+        for p in self.params:
+            p.data = p.data.float()  # DeepSpeed's bf16 cast all parameters; these stay out of its optimizer
+        o = cfg.optim
+        self.clip, self.reduce = o.grad_clip, cfg.deepspeed.zero_stage > 0
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.0,
+                                     fused=fused_adamw(model))
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        import torch.distributed as dist
+
+        ps = [p for p in self.params if p.grad is not None]
+        if ps and self.reduce and dist.is_initialized() and dist.get_world_size() > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            torch._foreach_copy_([p.grad for p in ps], [g.view_as(p) for g, p in zip(
+                flat.split([p.numel() for p in ps]), ps)])
+        norm = _sq_norm(ps, torch.zeros(())).sqrt().item() if ps else 0.0  # host sync: once per step
+        if ps and math.isfinite(norm):
+            if self.clip > 0 and norm > self.clip:
+                torch._foreach_mul_([p.grad for p in ps], self.clip / (norm + 1e-6))
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
 
 
 def native_bf16_gemms(dev: torch.device) -> bool:

@@ -255,6 +255,7 @@ class Trainer:
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
         self.model.activation_checkpointing = cfg.train.activation_checkpointing == "block"
         self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world)
+        self.pred_opt = eng.PredictorAdamW(cfg, self.model) if eng.predictor_params(self.model) else None
         self.threshold_bufs = eng.threshold_buffers(self.model)  # once: not a module walk every step
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * self.world * cfg.data.seq_len
@@ -358,6 +359,8 @@ class Trainer:
             with warnings.catch_warnings():  # torch warns of a step before optimizer.step(): here it is meant
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                 self.sched.step()
+        if self.pred_opt and "predictor_optim" in client:
+            self.pred_opt.load_state_dict(client["predictor_optim"])
         self.elapsed_s = client.get("elapsed_s", 0.0)
         if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
             self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)
@@ -368,6 +371,8 @@ class Trainer:
         """`pending_s`: training time since the last log, not yet in elapsed_s (a resume must count it)."""
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
                  "world_size": self.world, "lr_steps": self.sched.last_epoch}  # skipped steps do not count
+        if self.pred_opt:
+            state["predictor_optim"] = self.pred_opt.state_dict()
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,
                   rank_state={"log_sums": self.acc.state_dict()})
 
@@ -380,6 +385,8 @@ class Trainer:
             out = self.engine(x, y)
             loss = out.loss + out.aux_loss
             self.engine.backward(loss)
+            if self.pred_opt and micro == t.grad_accum - 1:  # before the engine's step drops the gradients
+                self.pred_opt.step(self.sched.get_last_lr()[0])
             self.engine.step()
             acc.add({"train/loss": out.loss, "train/aux_loss": out.aux_loss, **out.metrics})
         skipped = self.engine.skipped_steps > skipped_before

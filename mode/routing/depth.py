@@ -5,7 +5,8 @@ Shape legend: B batch, S sequence, K selected tokens per row, D d_model.
 The router is a scalar `r = w^T x` per token, computed in fp32. Top-k over the sequence is
 non-causal, so causal stand-ins decide at sampling time: the router logits themselves trained
 against top-k membership (aux BCE, `sigmoid(r) > 0.5` decides), a small MLP predictor that sees
-the router's input through a stop-gradient (its loss reaches no LM parameter), or a calibrated
+the router's input through a stop-gradient (its loss reaches no LM parameter, and its own optimizer,
+mode.engine.PredictorAdamW, keeps its gradients out of the LM's clipping norm), or a calibrated
 threshold (`r > tau`, tau an EMA of the k-th largest score seen in training; nothing trained).
 """
 from __future__ import annotations
@@ -81,8 +82,10 @@ class DepthRouter(nn.Module):
             return r_BS - self.threshold
         if self.predictor is None:
             return r_BS  # sigmoid(r) > 0.5  <=>  r > 0
-        # Stop-gradient: the predictor learns from the residual stream but never shapes it.
-        return self.predictor(x_BSD.detach()).squeeze(-1).float()
+        # Stop-gradient: the predictor learns from the residual stream but never shapes it. In
+        # its own dtype: fp32 in training also under bf16 (mode.engine.PredictorAdamW).
+        w = self.predictor[0].weight
+        return self.predictor(x_BSD.detach().to(w.dtype)).squeeze(-1).float()
 
     def losses(self, x_BSD, r_BS, member_BS):
         """Weighted aux loss and metrics against top-k membership `member_BS` (0/1 float)."""
