@@ -154,6 +154,16 @@ METRICS: list[Metric] = [
 ]
 
 
+def mfu_peaks(runs: list[RunLog]) -> dict[float, list[RunLog]]:
+    """{peak TFLOP/s per device (run_info.json): the runs that logged perf/mfu against it}, lowest peak first."""
+    out: dict[float, list[RunLog]] = {}
+    for r in runs:
+        peak = r.info.get("peak_tflops_per_device")
+        if isinstance(peak, (int, float)) and math.isfinite(peak) and r.series("perf/mfu")[1].size:
+            out.setdefault(float(f"{peak:.6g}"), []).append(r)  # alike to 6 digits: one peak
+    return dict(sorted(out.items()))
+
+
 def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
     """{metric key: value or None} plus identity and progress of one run; eval metrics at
     `eval_step` (the last evaluation at or before it; None: the last)."""
@@ -548,7 +558,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         lines += [f"| `{r.variant}` | `{_rel(r.path, runs_dir)}` | " + " | ".join(str(r.config_diff[k]) for k in keys)
                   + " |" for r in group]
         lines.append("")
-    lines += ["## Summary per variant (mean ± std over seeds)", "", table_markdown(table), "",
+    lines += ["## Summary per variant (mean ± sample std over seeds, n − 1)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
               "stopped early is not averaged with the others' later losses); tokens/s and step time are "
               "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
@@ -571,6 +581,14 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   f"{r.info.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s)" for r in over)
                   + ": their peak was measured below what they achieved (a CPU peak measured while other "
                   "jobs held the cores); compare MFU across runs only with one `perf.peak_tflops` for all.", ""]
+    peaks = mfu_peaks(runs)
+    if len(peaks) > 1:  # each run's MFU has its own denominator: the column (and a seed spread) mixes them
+        lines += ["**MFU against different peaks** (TFLOP/s per device, run_info.json): "
+                  + "; ".join(f"{p:.3g}: " + ", ".join(f"`{_rel(r.path, runs_dir)}`" for r in rs)
+                              for p, rs in peaks.items())
+                  + ". Each run's MFU divides by its own peak (on CPU measured at its start, lower while other jobs "
+                  "hold the cores), so the MFU column and its spread over seeds compare runs only where the peak is "
+                  "the same: compare tokens/s, or rerun with one `perf.peak_tflops` for all.", ""]
 
     lines += ["## Loss curves", ""]
     for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):

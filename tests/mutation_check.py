@@ -367,6 +367,9 @@ MUTANTS = [
      "o.lr * n / o.warmup_steps", "o.lr * (n - 1) / o.warmup_steps", ["tests/test_logging.py"]),
     ("DeepSpeed's ZeRO recovery scripts make checkpoints/ foreign (ZeRO runs never resume)", "mode/rundir.py",
      "all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for", "all(s or False for", CKPT),
+    # Session 16: a report audit on a real 2-seed grid
+    ("runs whose MFU divides by different peaks are not named", "analysis/report.py",
+     "    if len(peaks) > 1:  # each run's MFU", "    if False:  # each run's MFU", ["tests/test_analysis.py"]),
 ]
 
 

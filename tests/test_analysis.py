@@ -907,3 +907,39 @@ def test_expert_work_against_budget_and_the_causal_capacity_mark(tmp_path):
         assert rows_md["`moe_dropping`"][head.index(name)].endswith(" †")
         assert not rows_md["`moe`"][head.index(name)].endswith(" †")  # dropless both ways: a routing gap
     assert "the gap is dropless minus dropping, not a routing-causality gap" in md
+
+
+def test_mfu_against_different_peaks_is_called_out_and_the_std_is_named(tmp_path):
+    """Bug caught (a real 2-seed CPU quickstart grid): the CPU peak is measured at each run's start
+    (the best yet on the machine), so seeds of one grid divided by peaks 10x apart. The table showed
+    `mod` MFU 17.31% ± 20.54% (seed 0: 31.8% against 0.0119 TFLOP/s, seed 1: 2.8% against 0.121,
+    at 517 and 459 tokens/s) with no word, since no run was above 100%. The spread is also the
+    sample std (n − 1), which neither the report nor the README said."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    for seed, mfu, peak in ((0, 0.318, 0.0119), (1, 0.028, 0.121)):
+        d = root / f"dense_seed{seed}"
+        _write_run(d, "dense", seed, 2.0 + seed)
+        info = json.loads((d / "run_info.json").read_text())
+        info["peak_tflops_per_device"] = peak
+        (d / "run_info.json").write_text(json.dumps(info))
+        w = SummaryWriter(str(d / "tb"))
+        for step in (2, 4, 6):
+            w.add_scalar("perf/mfu", mfu, step)
+        w.close()
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Summary per variant (mean ± sample std over seeds, n − 1)" in md
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["dense"]["eval_loss"]["std"] == pytest.approx(
+        np.std([2.0, 3.0], ddof=1))
+    assert ("**MFU against different peaks** (TFLOP/s per device, run_info.json): 0.0119: `dense_seed0`; "
+            "0.121: `dense_seed1`.") in md, md
+    # one peak for all: no note
+    for seed in (0, 1):
+        p = root / f"dense_seed{seed}" / "run_info.json"
+        p.write_text(json.dumps({**json.loads(p.read_text()), "peak_tflops_per_device": 0.121}))
+    report.analyze(root, tmp_path / "out")
+    assert "MFU against different peaks" not in (tmp_path / "out" / "report.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "mean ± sample std (n − 1) over seeds" in readme
