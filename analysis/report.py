@@ -395,10 +395,20 @@ def per_layer_metric(runs: list[RunLog], prefix: str, name: str) -> dict[str, di
 
 
 def load_imbalance(runs: list[RunLog]) -> dict[str, dict[int, float]]:
-    """{variant: {layer: load_max / load_mean}}: 1 = perfectly balanced experts."""
-    mx, mean = per_layer_metric(runs, "moe", "load_max"), per_layer_metric(runs, "moe", "load_mean")
-    return {v: {i: mx[v][i] / mean[v][i] for i in mx[v] if i in mean.get(v, {}) and mean[v][i] > 0}
-            for v in mx if v in mean}
+    """{variant: {layer: load_max / load_mean of each seed's last log, mean over seeds}}: 1 = perfectly
+    balanced experts (each seed's imbalance, then averaged as every per-layer column: not the ratio of
+    the seeds' mean loads)."""
+    out = {}
+    for variant, vruns in group_by_variant(runs).items():
+        acc: dict[int, list[float]] = {}
+        for r in vruns:
+            for i in r.layer_tags("moe"):
+                mx, mean = r.last(f"moe/layer{i}/load_max"), r.last(f"moe/layer{i}/load_mean")
+                if mx is not None and mean is not None and mean > 0:
+                    acc.setdefault(i, []).append(mx / mean)
+        if acc:
+            out[variant] = {i: float(np.mean(v)) for i, v in sorted(acc.items())}
+    return out
 
 
 Panel = tuple  # (data {variant: {layer: value}}, ylabel, title[, overlay {variant: {layer: value}}])

@@ -943,3 +943,29 @@ def test_mfu_against_different_peaks_is_called_out_and_the_std_is_named(tmp_path
     assert "MFU against different peaks" not in (tmp_path / "out" / "report.md").read_text()
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "mean ± sample std (n − 1) over seeds" in readme
+
+
+def test_expert_load_imbalance_is_the_mean_over_seeds_of_each_seeds_imbalance(tmp_path):
+    """Bug caught (a real 2-seed CPU quickstart grid): `load max/mean` was the ratio of the seeds'
+    mean load_max to their mean load_mean, not the mean of each seed's imbalance as every other
+    per-layer column is: mode_integrated layer 1 read 2.09 where its seeds' imbalances were 2.56 and
+    1.76 (mean 2.16)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    moe = {"model__moe__layers": "every_other", "model__moe__top_k": 2, "model__moe__num_experts": 4,
+           "model__moe__capacity_factor": 0.75}
+    for seed, mx, mean in ((0, 0.5, 0.2), (1, 0.6, 0.4)):  # imbalances 2.5 and 1.5; ratio of means 1.1 / 0.6
+        d = root / f"moe_dropping_seed{seed}"
+        _write_run(d, "moe_dropping", seed, 2.0, **moe)
+        w = SummaryWriter(str(d / "tb"))
+        w.add_scalar("moe/layer1/load_max", mx, 10)
+        w.add_scalar("moe/layer1/load_mean", mean, 10)
+        w.close()
+    assert report.load_imbalance(tb.load_runs(root)) == {"moe_dropping": {1: pytest.approx(2.0)}}
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| variant | layer |"))
+    row = next(line for line in md.splitlines() if line.startswith("| `moe_dropping` | 1 |"))
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    assert cells(row)[cells(head).index("load max/mean")] == "2.00", (head, row)
