@@ -969,3 +969,5 @@ def test_expert_load_imbalance_is_the_mean_over_seeds_of_each_seeds_imbalance(tm
     row = next(line for line in md.splitlines() if line.startswith("| `moe_dropping` | 1 |"))
     cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
     assert cells(row)[cells(head).index("load max/mean")] == "2.00", (head, row)
+    # the table's dropped-token share is of the tokens the MoE layer sees (staged MoDE: the routed ones)
+    assert "count only what the MoE layer sees: inside a depth-routed block (staged MoDE)" in " ".join(md.split())
