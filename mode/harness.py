@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mode.config import ConfigError
-from mode.plan import has_moe, layer_plan
+from mode.plan import has_depth_routing, has_moe, layer_plan
 
 INSTALL_HINT = "mode eval needs lm-evaluation-harness: pip install -e '.[eval]'  (or: pip install lm-eval)"
 
@@ -61,10 +61,11 @@ def rows_independent(model, routing: str) -> bool:
     """True when a row's log-probs do not depend on the other rows (or the trailing padding) of its
     batch: causal routing decides each token from its own row's prefix, and expert layers at
     sampling time are capped only by `inference_capacity_factor` (null = dropless; a value makes
-    the batch's rows share expert slots)."""
-    if routing != "causal":
-        return False  # top-k over the sequence: padding and length change who is selected
-    return not has_moe(layer_plan(model.cfg)) or model.cfg.moe.inference_capacity_factor is None
+    the batch's rows share expert slots). A dense model's rows are independent under either routing."""
+    plan = layer_plan(model.cfg)
+    if routing != "causal":  # top-k over the sequence: padding and length change who is selected
+        return not has_depth_routing(plan) and not has_moe(plan)
+    return not has_moe(plan) or model.cfg.moe.inference_capacity_factor is None
 
 
 # A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.generate.SAMPLING's rule of each.

@@ -367,6 +367,14 @@ MUTANTS = [
      "o.lr * n / o.warmup_steps", "o.lr * (n - 1) / o.warmup_steps", ["tests/test_logging.py"]),
     ("DeepSpeed's ZeRO recovery scripts make checkpoints/ foreign (ZeRO runs never resume)", "mode/rundir.py",
      "all(s or e.name in DEEPSPEED_SCRIPTS and e.is_file() for", "all(s or False for", CKPT),
+    # Session 16: a code review (the predictor's gradients in the LM's clipping norm), the harness
+    ("the causal predictors in the engine's optimizer (their norm clips the LM)", "mode/engine.py",
+     "if not p.requires_grad or id(p) in own:", "if not p.requires_grad:", ["tests/test_train.py"]),
+    ("the causal predictors not clipped by their own norm", "mode/engine.py",
+     "if self.clip > 0 and norm > self.clip:", "if False:", ["tests/test_train.py"]),
+    ("topk scoring of a dense model one request at a time", "mode/harness.py",
+     "        return not has_depth_routing(plan) and not has_moe(plan)", "        return False",
+     ["tests/test_harness.py"]),
     # Session 16: a report audit on a real 2-seed grid
     ("runs whose MFU divides by different peaks are not named", "analysis/report.py",
      "    if len(peaks) > 1:  # each run's MFU", "    if False:  # each run's MFU", ["tests/test_analysis.py"]),

@@ -84,6 +84,19 @@ def test_loglikelihood_rolling_equals_sum_of_logprobs(preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+def test_topk_scoring_batches_rows_only_for_a_dense_model(preset):
+    """Bug caught: `--routing topk` scored every model one request at a time, the dense model too,
+    whose rows nothing couples; a routed model's top-k over the padded sequence must stay alone."""
+    model, _ = tiny_model(preset)
+    lm = ModeLM(model=model, tokenizer=TOK, routing="topk", batch_size=3)
+    assert lm.scorer.batch_size == (3 if preset == "dense" else 1)
+    alone = ModeLM(model=model, tokenizer=TOK, routing="topk", batch_size=1)
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(DOCS)]
+    for a, b in zip(lm.loglikelihood_rolling(reqs), alone.loglikelihood_rolling(reqs)):
+        assert abs(a - b) <= 1e-4, (preset, a, b)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_loglikelihood_equals_direct_computation(preset):
     model, _ = tiny_model(preset)
     pairs = [("def f(x):\n    return", " x + 1"), ("", "hello"), ("abc", "d"), ("q" * 40, "rs tu"),

@@ -242,6 +242,40 @@ def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
     assert all(p.grad is None for p in ps) and all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
+def test_the_predictors_train_apart_clipped_by_their_own_norm():
+    """Bug caught: in the engine's optimizer the causal predictors' gradients counted in the norm the
+    LM's gradients are clipped by, so predictor_loss_weight changed the LM's update (end to end:
+    tests/test_mod_train.py). Here: the engine's groups hold every parameter but the predictors', and
+    PredictorAdamW's step equals a float64 clip_grad_norm_ + AdamW over the predictors alone."""
+    import torch
+
+    from mode.config import load_config
+    from mode.engine import PredictorAdamW, param_groups, predictor_params
+    from mode.model import build_model
+
+    cfg = load_config("configs/tiny/mod.yaml", ["model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                                                "model.d_ff=64", "model.mod.layers=every"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    pred, grouped = predictor_params(model), [p for g in param_groups(model, 0.1) for p in g["params"]]
+    assert len(pred) == 8 and not {id(p) for p in grouped} & {id(p) for p in pred}  # 2 layers x 2 Linear
+    assert {id(p) for p in grouped} | {id(p) for p in pred} == {id(p) for p in model.parameters()}
+    g = torch.Generator().manual_seed(0)
+    for p in pred:
+        p.grad = 3 * torch.randn(p.shape, generator=g)
+    ref = [p.detach().double().clone() for p in pred]
+    for r, p in zip(ref, pred):
+        r.grad = p.grad.double()
+    assert float(torch.sqrt(sum((r.grad ** 2).sum() for r in ref))) > cfg.optim.grad_clip  # the clip applies
+    PredictorAdamW(cfg, model).step(lr=0.1)
+    torch.nn.utils.clip_grad_norm_(ref, cfg.optim.grad_clip)
+    o = cfg.optim
+    torch.optim.AdamW(ref, lr=0.1, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.0, foreach=False).step()
+    for p, r in zip(pred, ref):
+        assert torch.allclose(p.double(), r, atol=1e-6, rtol=1e-6)
+    assert all(p.grad is None for p in pred)
+
+
 def test_init_scales_megablocks_expert_down_projection_like_the_others():
     """Bug caught: MegaBlocks names its experts' down projection `experts.mlp.w2` ([E*F, D]), which
     the output-projection rule missed: MegaBlocks runs started with it at the full init_std while

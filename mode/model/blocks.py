@@ -36,7 +36,7 @@ class AttnSublayer(nn.Module):
 
 class MLPSublayer(nn.Module):
     """Pre-norm + an MLP: a dense `MLP` or an MoE backend (`mode/moe`), called as mlp(h, valid, routing)
-    (an MoE is dropless at sampling time: routing `causal`)."""
+    (an MoE is dropless at sampling time, routing `causal`, unless `moe.inference_capacity_factor` caps it)."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()

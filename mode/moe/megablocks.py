@@ -71,7 +71,7 @@ class MegaBlocksMoE(MoEBase):
 
     def compute(self, x_TD: torch.Tensor, r) -> torch.Tensor:
         D = x_TD.shape[1]
-        keep_R = r.keep_TK.reshape(-1)  # route r = t*K + j
+        keep_R = r.keep_TK.reshape(-1)  # token-major here (t*K + j), not the router's choice-major route order
         # Host sync: the number of kept routes sizes the buffers (MegaBlocks syncs on group sizes anyway).
         route_M = keep_R.nonzero().squeeze(1)
         M = route_M.numel()
