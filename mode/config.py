@@ -176,7 +176,7 @@ class MoEConfig:
     d_expert: int = 0
     """Hidden width of each expert MLP; 0 means model.d_ff."""
     capacity_factor: Optional[float] = 1.0
-    """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens; null = dropless."""
+    """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens; null = dropless. T is one micro-batch on one rank (micro_batch_size x seq_len), as in Switch, GShard and DeepSpeed: changing the micro-batch / grad_accum split changes which routes drop (dense models are invariant to it)."""
     eval_capacity_factor: Optional[float] = None
     """Capacity factor in eval mode under training-time routing (eval/loss); null = same as capacity_factor."""
     inference_capacity_factor: Optional[float] = None
@@ -194,7 +194,7 @@ class MoEConfig:
     jitter: float = 0.0
     """Multiplicative input jitter epsilon on the router input during training (Switch); 0 = off."""
     lb_loss_weight: float = 0.01
-    """Load-balancing loss weight: E * sum_e f_e * P_e over real experts."""
+    """Load-balancing loss weight: E * sum_e f_e * P_e over real experts, per micro-batch on each rank (as Switch and DeepSpeed; not over the global batch)."""
     z_loss_weight: float = 0.0
     """Router z-loss weight: mean(logsumexp(logits)^2)."""
     backend: str = "native"

@@ -273,7 +273,7 @@ class Trainer:
 
     def _log_start(self, cfg: Config, saved: dict | None) -> None:
         if self.rank == 0:
-            params = sum(p.numel() for p in self.model.parameters())
+            params = self.flops["params"]  # the model's: with expert parallelism this rank holds E/ep experts
             info = {"name": cfg.run.name or self.run_dir.name, "seed": cfg.train.seed, "params": params,
                     "active_params": console.active_params(cfg, params),
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],

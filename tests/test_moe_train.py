@@ -1,4 +1,5 @@
 """MoE on the DeepSpeed engine: expert parallelism over 2 processes, MoE checkpoints and resume."""
+import json
 import shutil
 
 import pytest
@@ -80,6 +81,10 @@ def test_mode_variants_on_deepspeed_expert_parallel_match_one_process(tmp_path, 
     assert scalars(tmp_path / "ep2", tag)
     ca, cb = scalars(tmp_path / "one", "eval/loss_causal"), scalars(tmp_path / "ep2", "eval/loss_causal")
     assert list(ca) == list(cb) == [0, 4] and cb[4] == pytest.approx(ca[4], rel=1e-5), (ca, cb)
+    # Bug caught: run_info counted rank 0's modules, which hold E/ep_size experts per layer (ep 2:
+    # 2.27M params for 3.85M, and active_params negative); the analysis reads these.
+    ia, ib = (json.loads((tmp_path / r / "run_info.json").read_text()) for r in ("one", "ep2"))
+    assert ia["params"] == ib["params"] and ia["active_params"] == ib["active_params"] > 0, (ia, ib)
 
 
 def _rank_main(rank, port, out, body):
