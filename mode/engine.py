@@ -227,7 +227,8 @@ class PredictorAdamW:
     (as the router: near-ties decide). Data parallel: at ZeRO 0 the engine all-reduces every module
     gradient, these included; ZeRO 1/2 reduce only their own partitions, so here one all-reduce of
     the flattened predictor gradients averages them. Steps before the engine's step (which drops
-    every module gradient) on its own finite gradients; non-finite ones are dropped, no update."""
+    every module gradient) on its own finite gradients; non-finite ones are dropped, no update
+    (fused AdamW's found_inf: the step reads nothing back to the host)."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.params = predictor_params(model)
@@ -249,13 +250,18 @@ class PredictorAdamW:
             flat.div_(dist.get_world_size())
             torch._foreach_copy_([p.grad for p in ps], [g.view_as(p) for g, p in zip(
                 flat.split([p.numel() for p in ps]), ps)])
-        norm = _sq_norm(ps, torch.zeros(())).sqrt().item() if ps else 0.0  # host sync: once per step
-        if ps and math.isfinite(norm):
-            if self.clip > 0 and norm > self.clip:
-                torch._foreach_mul_([p.grad for p in ps], self.clip / (norm + 1e-6))
+        if ps:  # no host sync: clipped by a device-side factor, a non-finite step skipped in the kernel
+            norm = _sq_norm(ps, torch.zeros((), device=ps[0].device)).sqrt()
+            finite = torch.isfinite(norm)
+            if self.clip > 0:
+                torch._foreach_mul_([p.grad for p in ps], (self.clip / (norm + 1e-6)).clamp(max=1.0))
             for g in self.opt.param_groups:
                 g["lr"] = lr
-            self.opt.step()
+            if self.opt.defaults["fused"]:
+                self.opt.found_inf = (~finite).float()  # what GradScaler hands a fused AdamW
+                self.opt.step()
+            elif finite.item():  # the loop implementation has no found_inf: one read
+                self.opt.step()
         for p in self.params:
             p.grad = None
 

@@ -28,7 +28,7 @@ CKPT = ["tests/test_reliability.py"]
 MUTANTS = [
     # Depth routing (Mixture-of-Depths)
     ("top-k indices not sorted by position", "mode/routing/depth.py",
-     "scores_BS.topk(k, dim=1, sorted=False).indices.sort(dim=1).values", "scores_BS.topk(k, dim=1, sorted=True).indices", MOD),
+     "stable=True).indices[:, :k]\n", "stable=True).indices[:, :k].flip(1)\n", MOD),
     ("k = ceil(capacity * S), not round", "mode/routing/depth.py",
      "round(capacity * seq_len)", "int(capacity * seq_len + 0.999)", MOD),
     ("gathered tokens get positions 0..K-1", "mode/mod.py",
@@ -371,10 +371,15 @@ MUTANTS = [
     ("the causal predictors in the engine's optimizer (their norm clips the LM)", "mode/engine.py",
      "if not p.requires_grad or id(p) in own:", "if not p.requires_grad:", ["tests/test_train.py"]),
     ("the causal predictors not clipped by their own norm", "mode/engine.py",
-     "if self.clip > 0 and norm > self.clip:", "if False:", ["tests/test_train.py"]),
+     "(self.clip / (norm + 1e-6)).clamp(max=1.0)", "1.0", ["tests/test_train.py"]),
+    ("the causal predictors step on a non-finite gradient", "mode/engine.py",
+     "self.opt.found_inf = (~finite).float()", "self.opt.found_inf = None", ["tests/test_train.py"]),
     ("topk scoring of a dense model one request at a time", "mode/harness.py",
      "        return not has_depth_routing(plan) and not has_moe(plan)", "        return False",
      ["tests/test_harness.py"]),
+    ("top-k ties broken by torch.topk's kernel, not by position", "mode/routing/depth.py",
+     "    kth_B1 = scores_BS.topk(k, dim=1).values[:, -1:]\n",
+     "    return scores_BS.topk(k, dim=1, sorted=False).indices.sort(dim=1).values\n", MOD),
     # Session 16: a report audit on a real 2-seed grid
     ("runs whose MFU divides by different peaks are not named", "analysis/report.py",
      "    if len(peaks) > 1:  # each run's MFU", "    if False:  # each run's MFU", ["tests/test_analysis.py"]),

@@ -106,6 +106,19 @@ def test_topk_matches_bruteforce_and_unselected_are_bit_identical():
     assert int(blk.last_selected_BS.sum()) == k * x.shape[0]
 
 
+def test_topk_ties_go_to_the_earliest_positions():
+    """Bug caught: torch.topk breaks ties at the k-th score as its kernel happens to (CPU: {0, 6} of
+    [1,0,1,0,1,0,1,1] at k=2), so repeated tokens routed on their embeddings were selected
+    differently on CPU and GPU. Reference: Python's stable sort by score, then position."""
+    g = torch.Generator().manual_seed(0)
+    for S, k in ((8, 2), (64, 8), (64, 13), (256, 32)):
+        r = torch.randint(0, 4, (6, S), generator=g).float()  # many ties at every k-th score
+        r[0] = torch.tensor([1.0, 0.0] * (S // 2))  # every kept score tied
+        for b in range(r.shape[0]):
+            ref = sorted(sorted(range(S), key=lambda j: -float(r[b, j]))[:k])
+            assert topk_sorted(r, k)[b].tolist() == ref, (S, k, b)
+
+
 def test_unselected_bit_identical_in_bf16_and_causal_routing():
     blk = mod_block(capacity=0.25).to(torch.bfloat16)
     x, pos = inputs()

@@ -267,13 +267,22 @@ def test_the_predictors_train_apart_clipped_by_their_own_norm():
     for r, p in zip(ref, pred):
         r.grad = p.grad.double()
     assert float(torch.sqrt(sum((r.grad ** 2).sum() for r in ref))) > cfg.optim.grad_clip  # the clip applies
-    PredictorAdamW(cfg, model).step(lr=0.1)
+    opt = PredictorAdamW(cfg, model)
+    opt.step(lr=0.1)
     torch.nn.utils.clip_grad_norm_(ref, cfg.optim.grad_clip)
     o = cfg.optim
     torch.optim.AdamW(ref, lr=0.1, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.0, foreach=False).step()
     for p, r in zip(pred, ref):
         assert torch.allclose(p.double(), r, atol=1e-6, rtol=1e-6)
     assert all(p.grad is None for p in pred)
+    # a non-finite gradient: no update at all (weights and Adam's state as they were)
+    before = [p.detach().clone() for p in pred]
+    for p in pred:
+        p.grad = torch.ones_like(p)
+    pred[3].grad[0] = float("nan")
+    opt.step(lr=0.1)
+    assert all(torch.equal(p, b) for p, b in zip(pred, before))
+    assert all(float(opt.opt.state[p]["step"]) == 1 for p in pred)
 
 
 def test_init_scales_megablocks_expert_down_projection_like_the_others():

@@ -41,8 +41,15 @@ def capacity_k(capacity: float, seq_len: int) -> int:
 
 
 def topk_sorted(scores_BS: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row, sorted by position (keeps causal order)."""
-    return scores_BS.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    """Indices of the k largest scores per row, sorted by position (keeps causal order). Ties at the
+    k-th score go to the earliest positions: torch.topk breaks them as its kernel happens to (CPU:
+    [1,0,1,0,1,0,1,1], k=2 gave {0, 6}), and equal scores are common where a layer routes raw
+    embeddings (repeated tokens), so the same model selected different tokens on CPU and GPU."""
+    kth_B1 = scores_BS.topk(k, dim=1).values[:, -1:]
+    above_BS, tied_BS = scores_BS > kth_B1, scores_BS == kth_B1
+    take_BS = above_BS | (tied_BS & (tied_BS.cumsum(1) <= k - above_BS.sum(1, keepdim=True)))
+    # the k taken positions, in position order: a stable sort puts them first (no host sync, fixed shapes)
+    return take_BS.sort(dim=1, descending=True, stable=True).indices[:, :k]
 
 
 class DepthRouter(nn.Module):
