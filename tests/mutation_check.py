@@ -37,7 +37,7 @@ MUTANTS = [
     ("router weight off the gradient path", "mode/mod.py",
      "self.gate(r_BS.gather(1, idx_BK))", "self.gate(r_BS.detach().gather(1, idx_BK))", MOD),
     ("predictor without stop-gradient", "mode/routing/depth.py",
-     "self.predictor(x_BSD.detach())", "self.predictor(x_BSD)", MOD),
+     "self.predictor(x_BSD.detach().to(w.dtype))", "self.predictor(x_BSD.to(w.dtype))", MOD),
     ("predictor trained on inverted targets", "mode/routing/depth.py",
      "bce_p = F.binary_cross_entropy_with_logits(p_BS, member_BS)",
      "bce_p = F.binary_cross_entropy_with_logits(p_BS, 1 - member_BS)", MOD),

@@ -147,7 +147,7 @@ def test_wrapper_refuses_bad_config_before_any_worker_starts(tmp_path):
         r.stderr
     r = launch_run("--hostfile", tmp_path / "missing", "--config", "configs/tiny/dense.yaml")
     assert r.returncode == 2 and "config error: --hostfile=" in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 300  # not a rendezvous timeout (10 min); generous: CI shares its cores
 
 
 def saved_run(d: Path, overrides: list[str], world: int) -> Path:
