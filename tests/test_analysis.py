@@ -352,20 +352,25 @@ def _write_run(path: Path, name: str, seed: int, eval_loss: float, world: int = 
     (path / "DONE").write_text("{}")
 
 
-def test_mfu_above_100_percent_is_called_out(tmp_path):
-    """A run whose measured peak was deflated (MFU > 1) is named under the table with its peak."""
+def _write_run_with_mfu(d, name: str, seed: int, loss: float, mfu: float, peak: float) -> None:
+    """A synthetic run whose perf/mfu divides by `peak` (run_info.json's peak_tflops_per_device)."""
     from torch.utils.tensorboard import SummaryWriter
 
+    _write_run(d, name, seed, loss)
+    info = json.loads((d / "run_info.json").read_text())
+    info["peak_tflops_per_device"] = peak
+    (d / "run_info.json").write_text(json.dumps(info))
+    w = SummaryWriter(str(d / "tb"))
+    for step in (2, 4, 6):
+        w.add_scalar("perf/mfu", mfu, step)
+    w.close()
+
+
+def test_mfu_above_100_percent_is_called_out(tmp_path):
+    """A run whose measured peak was deflated (MFU > 1) is named under the table with its peak."""
     root = tmp_path / "runs"
     for name, mfu, peak in (("dense", 0.3, 0.12), ("mod", 1.54, 0.0197)):
-        _write_run(root / f"{name}_seed0", name, 0, 2.0)
-        info = json.loads((root / f"{name}_seed0" / "run_info.json").read_text())
-        info["peak_tflops_per_device"] = peak
-        (root / f"{name}_seed0" / "run_info.json").write_text(json.dumps(info))
-        w = SummaryWriter(str(root / f"{name}_seed0" / "tb"))
-        for step in (2, 4, 6):
-            w.add_scalar("perf/mfu", mfu, step)
-        w.close()
+        _write_run_with_mfu(root / f"{name}_seed0", name, 0, 2.0, mfu, peak)
     report.analyze(root, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
     assert "**MFU above 100%** in `mod_seed0` (154% against 0.0197 TFLOP/s)" in md
@@ -915,19 +920,9 @@ def test_mfu_against_different_peaks_is_called_out_and_the_std_is_named(tmp_path
     `mod` MFU 17.31% ± 20.54% (seed 0: 31.8% against 0.0119 TFLOP/s, seed 1: 2.8% against 0.121,
     at 517 and 459 tokens/s) with no word, since no run was above 100%. The spread is also the
     sample std (n − 1), which neither the report nor the README said."""
-    from torch.utils.tensorboard import SummaryWriter
-
     root = tmp_path / "runs"
     for seed, mfu, peak in ((0, 0.318, 0.0119), (1, 0.028, 0.121)):
-        d = root / f"dense_seed{seed}"
-        _write_run(d, "dense", seed, 2.0 + seed)
-        info = json.loads((d / "run_info.json").read_text())
-        info["peak_tflops_per_device"] = peak
-        (d / "run_info.json").write_text(json.dumps(info))
-        w = SummaryWriter(str(d / "tb"))
-        for step in (2, 4, 6):
-            w.add_scalar("perf/mfu", mfu, step)
-        w.close()
+        _write_run_with_mfu(root / f"dense_seed{seed}", "dense", seed, 2.0 + seed, mfu, peak)
     report.analyze(root, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Summary per variant (mean ± sample std over seeds, n − 1)" in md
