@@ -28,6 +28,7 @@ import numpy as np
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, damaged_line, forward_flops_per_token, group_by_variant,
                          load_runs, skipped_line, variant_colors, variant_sort_key)
+from mode.config import is_number
 from mode.console import si
 
 
@@ -159,7 +160,7 @@ def mfu_peaks(runs: list[RunLog]) -> dict[float, list[RunLog]]:
     out: dict[float, list[RunLog]] = {}
     for r in runs:
         peak = r.info.get("peak_tflops_per_device")
-        if isinstance(peak, (int, float)) and math.isfinite(peak) and r.series("perf/mfu")[1].size:
+        if is_number(peak) and math.isfinite(peak) and r.series("perf/mfu")[1].size:
             out.setdefault(float(f"{peak:.6g}"), []).append(r)  # alike to 6 digits: one peak
     return dict(sorted(out.items()))
 
