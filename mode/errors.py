@@ -52,6 +52,11 @@ def guarded(fn, argv: list[str]) -> int:
             raise
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mode flops ... | head`: the reader left; not a failure worth a line
+        # Point stdout at devnull so the interpreter's flush at exit does not raise again (the
+        # recipe of Python's signal docs, "Note on SIGPIPE"); 141 is the shell's status for SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # noqa: BLE001 - the point: no traceback reaches a user unasked
         if debug:
             raise

@@ -69,6 +69,31 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing started
 
 
+def test_output_into_a_closed_pipe_ends_quietly(capsys, monkeypatch):
+    """`mode flops ... | head`: the reader leaves; no `error: BrokenPipeError` line, status 141 (SIGPIPE's)."""
+    import os
+    import sys
+
+    from mode.errors import guarded
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone: the next write raises BrokenPipeError (Python ignores SIGPIPE)
+    pipe = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", pipe)
+
+    def talkative(argv):
+        for _ in range(1000):
+            print("x" * 100, flush=True)
+        return 0
+
+    try:
+        assert guarded(talkative, []) == 141
+        pipe.write("after"), pipe.flush()  # stdout now points at devnull: the exit-time flush cannot fail
+    finally:
+        pipe.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_cli_missing_config_file(capsys, monkeypatch):
     r = mode_here(capsys, monkeypatch, "train", "--config", "nope.yaml")
     assert r.returncode == 2 and r.stderr.strip().startswith("config error: --config='nope.yaml'")
