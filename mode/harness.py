@@ -203,8 +203,11 @@ class Scorer:
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             prompt = ([self.tok.eos_id] + self.encode(context))[-(self.max_len + 1 - n):]
             sampled = temperature > 0  # a sampled request alone: its seed, not its batch, fixes its draws
+            # a null seed is the default (the scorer's); modulo 2**64, torch.Generator's seeds (it
+            # reads s and s + 2**64 alike), so the largest seed check_gen_kwargs allows plus i still seeds
+            seed = self.seed if kw.get("seed") is None else int(kw["seed"])
             key = (n, temperature, int(kw.get("top_k") or 0), float(kw.get("top_p") or 1.0),
-                   int(kw.get("seed", self.seed) or 0) + i, i) if sampled else (n, 0.0, 0, 1.0, 0, -1)
+                   (seed + i) % 2**64, i) if sampled else (n, 0.0, 0, 1.0, 0, -1)
             groups.setdefault(key, []).append((i, prompt, until))
         outs: list = [None] * len(requests)
         for (n, temperature, top_k, top_p, seed, _), rows in groups.items():

@@ -162,6 +162,27 @@ def test_sampled_requests_draw_their_own_samples_with_the_tasks_top_k_and_top_p(
     assert narrow == [direct(5, top_k=3, top_p=0.5)]
 
 
+def test_a_null_or_largest_task_seed_draws_as_documented():
+    """Bugs caught: a task's `seed: null` (the default, check_gen_kwargs says) drew with seed 0 + i
+    instead of the scorer's seed N + i; the largest seed check_gen_kwargs allows (2**64 - 1) crashed
+    request 1 mid-evaluation (seed 2**64: 'Overflow when unpacking long long'). torch.Generator reads
+    s and s + 2**64 alike, so request 1 draws with seed 0."""
+    model, _ = tiny_model("mod")
+    ctx, n = "def f(", 12
+    prompt = [TOK.eos_id] + TOK.encode(ctx).tolist()
+    kw = {"until": ["\x00never"], "max_gen_toks": n, "do_sample": True, "temperature": 1.0}
+
+    def direct(seed):
+        return TOK.decode(generate_ids(model, [prompt], n, temperature=1.0, seed=seed, eos_id=TOK.eos_id,
+                                       vocab_limit=TOK.vocab_size)[0])
+
+    lm = ModeLM(model=model, tokenizer=TOK, seed=5)
+    null = [Instance("generate_until", {}, (ctx, {**kw, "seed": None}), i) for i in range(2)]
+    assert lm.generate_until(null) == [direct(5), direct(6)]
+    top = [Instance("generate_until", {}, (ctx, {**kw, "seed": 2**64 - 1}), i) for i in range(2)]
+    assert lm.generate_until(top) == [direct(2**64 - 1), direct(0)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, nothing written.
 
