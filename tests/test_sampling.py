@@ -46,8 +46,8 @@ def model_of(case, *extra, seed=0):
             if isinstance(m, MoDBlock):
                 lin = m.router.predictor[2] if m.router.predictor is not None else m.router.router
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 3.0 / lin.weight.shape[1] ** 0.5)
-                if m.router.has_threshold:
-                    m.router.threshold.fill_(0.3)
+                if m.router.has_threshold:  # mid-spread of these scores (~0.06): some tokens in, some out
+                    m.router.threshold.fill_(0.0)
             if hasattr(m, "router") and hasattr(m.router, "E"):  # expert routers: sharper than init
                 m.router.weight.copy_(torch.randn(m.router.weight.shape, generator=g))
     return model
@@ -74,6 +74,17 @@ def test_row_generated_in_a_batch_equals_the_row_alone(case):
         assert ids_a[0] == ids_b[i]
         n = len(p) + 8 - 1
         assert (tr_a.logits_BTV[0, :n] - tr_b.logits_BTV[i, :n]).abs().max().item() <= 1e-5
+
+
+def test_the_cases_route_some_tokens_and_skip_others():
+    """The comparisons above are only as strong as the routing they see: a case whose routers select
+    every token or none (a threshold above every score) checks nothing about skipping."""
+    for case in ("mod", *VARIANTS):
+        model = model_of(case)
+        with torch.no_grad():
+            model(torch.tensor(PROMPTS[0])[None], routing="causal")
+        frac = [m.last_engaged_BS.float().mean().item() for m in model.modules() if isinstance(m, MoDBlock)]
+        assert frac and all(0.05 < f < 0.95 for f in frac), (case, frac)
 
 
 def test_a_shared_inference_capacity_couples_rows_as_documented():
