@@ -548,7 +548,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if k.tag == "tag:yaml.org,2002:merge":  # no constructor of its own; flatten_mapping resolves it
                 continue
             key = self.construct_object(k, deep=deep)
-            if isinstance(key, (str, int, float, bool, type(None))) and key in seen:  # `~:` twice too
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                continue  # a list or mapping key (`? [1, 2]`): SafeLoader's own "unhashable key" error below
+            if key in seen:  # `~:` twice too
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)

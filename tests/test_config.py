@@ -34,6 +34,15 @@ def test_yaml_merge_keys_are_read_and_duplicates_beside_them_refused(tmp_path):
         load_config(tmp_path / "b.yaml")
 
 
+@pytest.mark.parametrize("text", ["? [1, 2]\n: 3\n", "model:\n  ? {a: 1}\n  : 3\n"])
+def test_a_list_or_mapping_as_a_yaml_key_is_a_config_error(tmp_path, text):
+    """Bug caught: the duplicate-key loader put every key into a set, and a complex key (`? [1, 2]`)
+    raised TypeError (exit 1, `error: TypeError: unhashable type`) instead of one config error line."""
+    (tmp_path / "a.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="not valid YAML .*unhashable key"):
+        load_config(tmp_path / "a.yaml")
+
+
 def test_missing_base_names_the_base_line(tmp_path):
     """A `base:` that does not exist is blamed on `base`, not on --config (which exists)."""
     (tmp_path / "b.yaml").write_text("base: dense.yaml\n")
