@@ -16,6 +16,7 @@ counts and deletes checkpoints with a manifest, keeping the newest, just-verifie
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -358,9 +359,39 @@ def rotate(root: Path, keep: int) -> None:
     """Delete all but the `keep` newest checkpoints that have a manifest (the newest was just
     verified by hashing it from disk), and partial saves. Unfinished or moved-aside ones are kept."""
     for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_checkpoint(old)
     for stale in root.glob("step_*.tmp"):  # a save of ours that was cut short (save() names them)
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove_checkpoint(d: Path) -> None:
+    """Rotation's delete: the files `d`'s manifest lists, then the manifest and the emptied
+    directories. A file it does not list (a user's, put there after the save) is not mode's to
+    delete: it stays, in `d` without a manifest (no longer counted), and one line says so. A
+    manifest that cannot be read lists nothing provable: `d` is moved aside whole (`.bad`)."""
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        files = json.loads((d / MANIFEST).read_text())["files"]
+        names = [d / n for n in files] if isinstance(files, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        names = None
+    top = d.resolve()
+    if names is None or not all(top in p.resolve().parents for p in names):  # a hand-edited "../x" too
+        log(f"checkpoint.keep: {d} has an unreadable {MANIFEST}, so what it holds is unproven: moved to "
+            f"{_move_aside(d).name} instead of deleted")
+        return
+    for p in [*names, d / MANIFEST]:
+        p.unlink(missing_ok=True)
+    for sub in sorted((q for q in d.rglob("*") if q.is_dir() and not q.is_symlink()),
+                      key=lambda q: len(q.parts), reverse=True):  # deepest first, only while empty
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    try:
+        d.rmdir()
+    except OSError:
+        left = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_symlink() or not p.is_dir())
+        log(f"checkpoint.keep: kept {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} in {d} (mode did not "
+            "write it); the checkpoint's own files were deleted")
 
 
 def load(engine, path: Path, rank: int, load_optimizer: bool = True) -> dict:

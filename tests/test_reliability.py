@@ -630,6 +630,34 @@ def test_rotation_keeps_the_newest_verified_and_ignores_unfinished(tmp_path):
     assert ckpt.latest(root).name == "step_00000006"
 
 
+def test_rotation_deletes_only_the_files_a_checkpoint_manifest_lists(tmp_path, capsys):
+    """Bug caught: rotation removed an old checkpoint with rmtree, so a user's file put into
+    checkpoints/step_N/ after the save (notes, an export) was deleted with it, silently, although a
+    start never treats such a file as mode's. Now the checkpoint's own files go, the user's stays
+    (the directory, without a manifest, no longer counts) and one line says so; a checkpoint whose
+    manifest cannot be read proves nothing, so it is moved aside, not deleted."""
+    from mode import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for s in (2, 4, 6, 8):
+        _fake_checkpoint(root, s, s)
+    (root / "step_00000002" / "notes.txt").write_text("mine")
+    (root / "step_00000004" / "sub").mkdir()
+    (root / "step_00000004" / "sub" / "export.bin").write_text("mine too")
+    (root / "step_00000006" / ckpt.MANIFEST).write_text('{"files": {"../../notes.md": {}}}')  # hand-edited
+    ckpt.rotate(root, keep=1)
+    assert (root / "step_00000002" / "notes.txt").read_text() == "mine"
+    assert (root / "step_00000004" / "sub" / "export.bin").read_text() == "mine too"
+    assert sorted(p.name for p in (root / "step_00000002").iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000006.bad",
+                                                       "step_00000008"]
+    assert [c.name for c in ckpt.complete_checkpoints(root)] == ["step_00000008"]
+    err = capsys.readouterr().err
+    assert "kept notes.txt in" in err and "kept sub/export.bin in" in err and "moved to step_00000006.bad" in err
+    ckpt.rotate(root, keep=1)  # nothing more to do, nothing more said
+    assert capsys.readouterr().err == ""
+
+
 def test_write_failures_name_the_cause():
     import errno
 
