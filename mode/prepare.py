@@ -314,6 +314,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
         try:  # tsv: the csv builder with tabs
             ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt, data_files=files, split="train", streaming=True,
                                        **kw)
+        except StopIteration:  # the json builder infers its schema from the first row: an empty file has none
+            raise ConfigError(key, spec, "a corpus with at least one document (it is empty)") from None
         except Exception as e:  # noqa: BLE001
             raise ConfigError(key, spec, f"readable {fmt} files ({_first_line(e)})") from None
         desc = {"kind": "local", "spec": spec, "format": fmt, "files": len(files)}

@@ -915,6 +915,7 @@ def _bad_inputs(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()
     (d / "empty.txt").write_text("")
+    (d / "empty.jsonl").write_text("")
     (d / "short.txt").write_text("tiny")
     (d / "bin.txt").write_bytes(b"text\0\1\2binary")
     (d / "latin1.txt").write_bytes("caf\xe9 ol\xe9".encode("latin-1"))
@@ -941,6 +942,8 @@ def _bad_inputs(tmp_path):
         ([f"data.source={d}/docs.jsonl"], "config error: data.text_key='text': one of the source's columns ['body']",
          None),
         ([f"data.source={d}/empty.txt"], "a corpus with at least one non-empty training document", None),
+        # was: "readable json files (StopIteration: StopIteration)" (datasets infers a schema from no row)
+        ([f"data.source={d}/empty.jsonl"], "empty.jsonl': a corpus with at least one document (it is empty)", None),
         # was: tokenized whole, then "a corpus with at least one non-empty training document" (it had one)
         ([f"data.source={d}/one.txt"], "one text file is one document with data.sample_by=document", None),
         # was: "a column of strings (got NoneType)", no row or file named (rows count from 1, as lines do)
