@@ -780,11 +780,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# Every name a prepare writes into its directory (and its `.tmp`): anything else is a user's.
+OURS = re.compile(r"^((train|val)_\d{5,}\.(bin|docs\.npy|bytes\.npy)|manifest\.json|\.mode-prepare"
+                  r"|progress\.json(\.new)?|val_hashes(\.new)?\.npy)$")
+
+
 def _check_ours(path: Path) -> None:
-    """A directory this module made (a prepare's marker or manifest is inside), else ConfigError."""
+    """A directory this module made (a prepare's marker or manifest is inside) holding nothing but
+    what it writes (it is deleted whole), else ConfigError."""
     if not ((path / MARKER).is_file() or (path / MANIFEST).is_file()):
         raise ConfigError("data.prepared_dir", str(path.parent),
                           f"a directory mode can manage; {path} was not written by `mode data prepare`: move it away")
+    foreign = sorted(p.name for p in path.iterdir() if not OURS.match(p.name))
+    if foreign:
+        raise ConfigError("data.prepared_dir", str(path.parent), f"a directory mode can manage; {path} holds "
+                          f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which `mode data prepare` "
+                          "did not write (replacing the directory would delete it): move it away")
 
 
 def _remove_ours(path: Path) -> None:

@@ -453,6 +453,31 @@ def test_stale_manifest_is_refused_and_force_rebuilds(tmp_path):
         check_data(cfg)
 
 
+def test_force_never_deletes_a_users_file_inside_a_prepared_directory(tmp_path):
+    """Bug caught: `--force` over a stale prepared directory removed it whole (rmtree), so a user's
+    notes or a run directory put inside it went too, although the error asking for --force says it
+    "replaces only that directory". Now refused in one line before any work, the files kept."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("first document " * 40)
+    (d / "b.txt").write_text("second document " * 40)
+    cfg = dcfg(tmp_path, source=str(d), seq_len=16, val_fraction=0.5)
+    path = prep.prepare(cfg, progress=False)
+    (path / "NOTES.txt").write_text("mine")
+    (path / "run").mkdir()
+    (path / "run" / "config.yaml").write_text("mine too")
+    assert prep.prepare(cfg, force=True, progress=False) == path  # current: nothing replaced, nothing said
+    os.utime(d / "a.txt", ns=(1, 1))  # stale
+    before = sorted(p.relative_to(path) for p in path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"holds NOTES.txt, run, which `mode data prepare` did not write"):
+        prep.prepare(cfg, force=True, progress=False)
+    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
+    assert not list(path.parent.glob("*.tmp")) and not list(path.parent.glob("*.old"))
+    (path / "NOTES.txt").unlink()
+    shutil.rmtree(path / "run")
+    assert prep.prepare(cfg, force=True, progress=False) == path  # moved away: --force rebuilds it
+
+
 def test_a_prepare_killed_while_reading_validation_still_keeps_it_out_of_training(tmp_path, monkeypatch):
     """Bug caught: the validation documents' hashes were saved only when the validation phase ended,
     so a prepare killed after a validation shard and resumed forgot them: training documents equal
