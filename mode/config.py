@@ -557,7 +557,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def parse_yaml(text: str):
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ValueError as e:  # an integer of over 4,300 digits: Python refuses to convert it (not a YAMLError)
+        raise yaml.constructor.ConstructorError(None, None, str(e)[:200]) from None
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -615,7 +618,8 @@ def apply_overrides(d: dict, overrides: List[str]) -> dict:
             # a bare `~` on a command line is the home directory (run.dir=~), not YAML's null
             node[parts[-1]] = parse_yaml(val) if val not in ("", "~") else val
         except yaml.YAMLError as e:
-            raise ConfigError(key, val, f"a YAML value ({_yaml_problem(e)})") from None
+            shown = val if len(val) <= 60 else f"{val[:40]}... ({len(val)} characters)"
+            raise ConfigError(key, shown, f"a YAML value ({_yaml_problem(e)})") from None
     return d
 
 
@@ -654,7 +658,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, value, "a mapping")
         return _build(tp, value, key + ".")
     if tp is float and is_int(value):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past float's range (1e308)
+            raise ConfigError(key, value, "a finite number") from None
     if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
         try:
             value = float(value)

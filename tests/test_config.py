@@ -68,6 +68,22 @@ def test_bad_values_name_key_value_and_allowed(override, needle):
     assert msg.startswith("config error:") and needle in msg and "\n" not in msg
 
 
+def test_integers_too_large_for_a_float_or_for_python_are_config_errors(tmp_path):
+    """Bug caught: `optim.lr=<10**400>` stopped with `error: OverflowError: int too large to convert
+    to float`, and an integer of over 4,300 digits (on the command line or in the YAML file) with
+    `error: ValueError: Exceeds the limit ...`: exit 1, not one config error line (exit 2)."""
+    with pytest.raises(ConfigError, match=r"^config error: optim.lr=1000+: a finite number$"):
+        load_config(None, [f"optim.lr={10**400}"])
+    with pytest.raises(ConfigError, match=r"^config error: model.mod.capacity=\[1000+\]: "):
+        load_config(None, [f"model.mod.capacity=[{10**400}]"])
+    with pytest.raises(ConfigError, match=r"^config error: train.max_steps='1111.*\.\.\. \(5000 characters\)': "
+                                          r"a YAML value \(Exceeds the limit"):
+        load_config(None, ["train.max_steps=" + "1" * 5000])
+    (tmp_path / "a.yaml").write_text("optim: {lr: " + "1" * 5000 + "}\n")
+    with pytest.raises(ConfigError, match=r"a.yaml: not valid YAML \(Exceeds the limit"):
+        load_config(tmp_path / "a.yaml")
+
+
 @pytest.mark.slow
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     r = mode_cli("train", "--config", "configs/tiny/dense.yaml", "model.mod.capacity=0", f"run.dir={tmp_path}/r",
