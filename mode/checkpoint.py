@@ -364,19 +364,36 @@ def rotate(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def listed_files(d: Path) -> list[Path] | None:
+    """The files checkpoint `d`'s manifest lists (what mode wrote there), or None when the manifest
+    cannot be read or names a path outside `d` (a hand edit): then nothing in `d` is proven mode's."""
+    try:
+        files = json.loads((d / MANIFEST).read_text())["files"]
+        names = [d / n for n in files] if isinstance(files, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    top = d.resolve()
+    return names if names is not None and all(top in p.resolve().parents for p in names) else None
+
+
+def unlisted_files(d: Path) -> list[str]:
+    """Files in checkpoint `d` its readable manifest does not list: not mode's to delete."""
+    names = listed_files(d)
+    if names is None:
+        return []
+    mine = {p.resolve() for p in names} | {(d / MANIFEST).resolve()}
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*")
+                  if (p.is_symlink() or not p.is_dir()) and p.resolve() not in mine)
+
+
 def _remove_checkpoint(d: Path) -> None:
     """Rotation's delete: the files `d`'s manifest lists, then the manifest and the emptied
     directories. A file it does not list (a user's, put there after the save) is not mode's to
     delete: it stays, in `d` without a manifest (no longer counted), and one line says so. A
     manifest that cannot be read lists nothing provable: `d` is moved aside whole (`.bad`)."""
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        files = json.loads((d / MANIFEST).read_text())["files"]
-        names = [d / n for n in files] if isinstance(files, dict) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        names = None
-    top = d.resolve()
-    if names is None or not all(top in p.resolve().parents for p in names):  # a hand-edited "../x" too
+    names = listed_files(d)
+    if names is None:
         log(f"checkpoint.keep: {d} has an unreadable {MANIFEST}, so what it holds is unproven: moved to "
             f"{_move_aside(d).name} instead of deleted")
         return

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from mode.checkpoint import CHECKPOINTS, checkpoints_dir
+from mode.checkpoint import CHECKPOINTS, checkpoints_dir, complete_checkpoints, unlisted_files
 from mode.config import ConfigError, user_path
 
 LOCK = "LOCK"
@@ -212,6 +212,13 @@ def check(run_dir: str, fresh: bool, key: str = "run.dir", lock: bool = True) ->
                    else "no LOCK, run_info.json or step_N checkpoints as mode writes them")
             raise ConfigError(key, run_dir, f"a new, empty or mode run directory; it holds {shown(entries)} but is "
                                             f"not a mode run ({why}), so it will not {what} it")
+        if fresh:  # a file put into a saved checkpoint is the user's, and fresh would rmtree it
+            for c in complete_checkpoints(checkpoints_dir(d)):
+                extra = unlisted_files(c)
+                if extra:
+                    raise ConfigError(key, run_dir, f"a run whose files are all mode's; {c} holds {shown(extra)}, "
+                                                    "which its checkpoint manifest does not list (mode did not "
+                                                    "write it), so run.fresh=true will not delete it: move it away")
         if lock:
             check_lock(d, key)
     ancestor = existing_base(d, key, run_dir)

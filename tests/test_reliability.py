@@ -658,6 +658,31 @@ def test_rotation_deletes_only_the_files_a_checkpoint_manifest_lists(tmp_path, c
     assert capsys.readouterr().err == ""
 
 
+def test_fresh_refuses_a_run_whose_checkpoint_holds_a_users_file(tmp_path):
+    """Bug caught: run.fresh=true removed checkpoints/ with rmtree, so a user's file put into a saved
+    checkpoint (notes, an export) went with it, although rotation keeps such a file. Now the start is
+    refused before anything is written, naming the file; a checkpoint holding only its own files
+    (and a partial save, which has no manifest) is still started over."""
+    from mode import rundir
+    from mode.config import ConfigError
+
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    _fake_checkpoint(ck, 2, 2)
+    _fake_checkpoint(ck, 4, 4)
+    (run / "config.yaml").write_text("model: {}\n")
+    (ck / "step_00000006.tmp").mkdir()
+    (ck / "step_00000004" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"step_00000004 holds notes.txt, which its checkpoint manifest does not"):
+        rundir.check(str(run), True, lock=False)
+    rundir.check(str(run), False, lock=False)  # resuming deletes nothing: not refused
+    assert (ck / "step_00000004" / "notes.txt").read_text() == "mine"
+    (ck / "step_00000004" / "notes.txt").unlink()
+    rundir.check(str(run), True, lock=False)
+    rundir.empty_run_dir(run)
+    assert not run.exists() or not any(run.iterdir())
+
+
 def test_write_failures_name_the_cause():
     import errno
 
