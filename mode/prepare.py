@@ -144,6 +144,9 @@ def tokenizer_from_spec(spec: dict):
 
 
 def _tokenizer_file(name: str) -> Path:
+    if not name.strip():  # Path("") is the current directory: it would be looked in for tokenizer.json
+        raise ConfigError("data.tokenizer", name, "`byte`, a directory holding tokenizer.json, a tokenizer.json "
+                                                  "file or a hub name (an unset shell variable?)")
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "tokenizer.json").is_file():

@@ -989,6 +989,8 @@ def _bad_inputs(tmp_path):
         ([f"data.source={d}/docs.jsonl", "data.text_key=body", "data.val_source=validation"],
          "config error: data.val_source='validation': an existing file", None),
         (stale, "is stale (the tokenizer file changed", prepared_then_tokenizer_changed),
+        # was "a directory holding tokenizer.json (this one has none)": "" read as the current directory
+        (["data.tokenizer="], "config error: data.tokenizer='': `byte`, a directory holding tokenizer.json", None),
         # was `error: FileExistsError` at the start (and passed --print-config)
         ([f"data.prepared_dir={d}/short.txt/p"], f"config error: data.prepared_dir='{d}/short.txt/p': a directory path "
                                                  f"({d}/short.txt is a file)", None),
