@@ -50,7 +50,7 @@ Launchers:
   is not refused as in use by another writer: the rerun waits for that job. `--wait` (the default
   when stdin is a terminal; `--no-wait` to return at once) polls the jobs (squeue, then scontrol/sacct for the final
   state) and writes the report when every run is done. A job that ended without finishing its
-  run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or COMPLETED before train.max_steps)
+  run (FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, or COMPLETED before train.max_steps)
   is reported with its state and log and is not submitted again unless `--resubmit` is given
   (it then resumes from its newest checkpoint); the exit status is then 1 and no report is
   written. A job that COMPLETED at the run's train.stop_at stopped as asked: the report is
@@ -560,8 +560,11 @@ def describe(run: GridRun) -> str:
 # Running.
 
 
+# States of a job SLURM still holds (queued, held, running or stopped with its allocation). PREEMPTED is
+# not one: SLURM's "job terminated due to preemption" is final (a requeued job shows REQUEUED/PENDING),
+# and sacct keeps answering it, so waiting on it never ended.
 SLURM_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-                "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED")
+                "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED", "SPECIAL_EXIT", "RESV_DEL_HOLD")
 # slurm_job_state's answer when SLURM's controller did not answer: the job may still run, so it is
 # waited for and never resubmitted (a second job would train the same run.dir).
 UNREACHABLE = "UNREACHABLE"

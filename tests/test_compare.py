@@ -441,6 +441,50 @@ def test_slurm_job_that_completed_at_stop_at_stopped_as_asked(tmp_path, monkeypa
         assert active == {} and (failed == []) == stopped, failed
 
 
+def test_preempted_slurm_job_is_final_and_a_stopped_or_held_one_is_not(tmp_path, monkeypatch):
+    """PREEMPTED is a final state (SLURM: "terminated due to preemption"; a requeued job shows
+    REQUEUED/PENDING): it was taken as queued or running, so `--wait` polled a preempted job forever
+    (sacct keeps answering PREEMPTED) and reruns never reported it. STOPPED, SPECIAL_EXIT and
+    RESV_DEL_HOLD jobs keep their place in the queue: taken as ended, `--resubmit` submitted a second
+    job for the same run."""
+    from mode import compare
+    from mode.config import load_config
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/usr/bin/env bash\n")  # newer SLURM: a job it forgot prints nothing
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 'slurm_load_jobs error: Invalid job id specified'"
+                                      " >&2\nexit 1\n")
+    (bin_dir / "sacct").write_text("#!/usr/bin/env bash\necho PREEMPTED\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert compare.slurm_job_state("12") == "PREEMPTED"
+
+    exp = compare.load_experiment(experiment(tmp_path, launcher="slurm", launcher_options={"num_gpus": 0}))
+    runs = compare.expand(exp, ["dense"])
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides)
+    (exp.runs_dir / "slurm").mkdir(parents=True)
+    (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
+    assert compare.slurm_active_job(exp, runs[0]) is None
+    monkeypatch.setattr(compare, "status", lambda run: ("resume", 2))
+    polls = []
+
+    def state(job):
+        polls.append(job)
+        assert len(polls) < 5, "still waiting for a preempted job"
+        return "PREEMPTED"
+
+    monkeypatch.setattr(compare, "slurm_job_state", state)
+    failed = compare.wait_slurm(exp, runs, {"dense_seed0": "12"}, lambda m: None, 0)
+    assert len(failed) == 1 and "job 12 PREEMPTED without finishing the run" in failed[0], failed
+    for held in ("STOPPED", "SPECIAL_EXIT", "RESV_DEL_HOLD"):
+        monkeypatch.setattr(compare, "slurm_job_state", lambda job: held)
+        active, failed = compare.run_slurm(exp, runs, {}, lambda m: None, resubmit=True)
+        assert active == {"dense_seed0": "12"} and failed == [], (held, active, failed)
+
+
 def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
     """ssh_port and launcher_args reach launch/run.py (a cluster whose sshd is not on port 22)."""
     from mode import compare
