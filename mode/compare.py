@@ -674,6 +674,10 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
                     "running, not submitted again")
                 active[r.name] = job
                 continue
+            r.status, r.resume_step = status(r)  # validate() looked while the job ran: it may have finished since
+            if r.status == "done":
+                log(f"{tag}: done (job {job} {state})")
+                continue
             if not resubmit and _stopped_as_asked(r, state):
                 log(f"{tag}: job {job} stopped it at step {r.resume_step} (train.stop_at)")
                 continue

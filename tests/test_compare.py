@@ -441,6 +441,29 @@ def test_slurm_job_that_completed_at_stop_at_stopped_as_asked(tmp_path, monkeypa
         assert active == {} and (failed == []) == stopped, failed
 
 
+def test_slurm_job_that_finished_its_run_after_validation_is_not_a_failure(tmp_path, monkeypatch):
+    """validate() reads each run's state while its job still runs (minutes for a big grid's data
+    checks); a job that finished the run before run_slurm asked SLURM was reported `COMPLETED without
+    finishing the run (no checkpoint)`, exit 1 and no report, and --resubmit submitted it again."""
+    from mode import compare
+    from mode.config import load_config
+
+    exp = compare.load_experiment(experiment(tmp_path, launcher="slurm", launcher_options={"num_gpus": 0,
+                                                                                           "submit": True}))
+    runs = compare.expand(exp, ["dense"])
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides)
+        r.status, r.resume_step = "resume", 2  # what validate() saw
+    (exp.runs_dir / "slurm").mkdir(parents=True)
+    (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
+    monkeypatch.setattr(compare, "slurm_job_state", lambda job: "COMPLETED")
+    monkeypatch.setattr(compare, "status", lambda run: ("done", STEPS))  # what the run directory holds now
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"submitted again: {a}"))
+    for resubmit in (False, True):
+        active, failed = compare.run_slurm(exp, runs, {}, lambda m: None, resubmit=resubmit)
+        assert active == {} and failed == [] and runs[0].status == "done", failed
+
+
 def test_preempted_slurm_job_is_final_and_a_stopped_or_held_one_is_not(tmp_path, monkeypatch):
     """PREEMPTED is a final state (SLURM: "terminated due to preemption"; a requeued job shows
     REQUEUED/PENDING): it was taken as queued or running, so `--wait` polled a preempted job forever
