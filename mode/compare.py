@@ -461,8 +461,8 @@ def command(exp: Experiment, run: GridRun) -> list[str]:
     if exp.launcher == "deepspeed":
         cmd = [py, "-m", "launch.run", "--launcher", "deepspeed"]
         for k in ("hostfile", "num_nodes", "num_gpus", "master_addr", "master_port", "ssh_port", "launcher_args"):
-            if o.get(k) is not None:
-                cmd += [f"--{k}", str(o[k])]
+            if o.get(k) is not None:  # --launcher_args=-S: a separate "-S" would be read as an option
+                cmd += [f"--{k}={o[k]}"] if k == "launcher_args" else [f"--{k}", str(o[k])]
         if "num_gpus" not in o and "hostfile" not in o:
             cmd += ["--num_gpus", str(exp.nproc)]
         for k, v in (o.get("env") or {}).items():

@@ -516,12 +516,19 @@ def test_deepspeed_grid_passes_runner_options_to_the_launch_wrapper(tmp_path):
         "hostfile": "h", "ssh_port": 2222, "launcher_args": "-R ssh", "master_addr": "n0"}))
     cmd = compare.command(exp, compare.expand(exp)[0])
     i = cmd.index("launch.run")
-    assert cmd[i - 1:i + 11] == ["-m", "launch.run", "--launcher", "deepspeed", "--hostfile", "h", "--master_addr",
-                                 "n0", "--ssh_port", "2222", "--launcher_args", "-R ssh"], cmd
+    assert cmd[i - 1:i + 10] == ["-m", "launch.run", "--launcher", "deepspeed", "--hostfile", "h", "--master_addr",
+                                 "n0", "--ssh_port", "2222", "--launcher_args=-R ssh"], cmd
     import launch.run as lr
 
     a = lr.parser().parse_args(cmd[i + 1:])
     assert (a.ssh_port, a.launcher_args, a.master_addr) == (2222, "-R ssh", "n0")
+    # one word starting with '-' (pdsh -S, mpirun --oversubscribe): passed as `--launcher_args -S`, every run
+    # ended at once with "argument --launcher_args: expected one argument"
+    for opt in ("-S", "--oversubscribe"):
+        exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options={
+            "hostfile": "h", "launcher_args": opt}))
+        cmd = compare.command(exp, compare.expand(exp)[0])
+        assert lr.parser().parse_args(cmd[cmd.index("launch.run") + 1:]).launcher_args == opt
 
 
 @pytest.mark.slow  # starts `mode compare`
