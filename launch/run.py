@@ -15,7 +15,7 @@ Launchers:
   nodes, one command on the first node starts every node (pdsh). Every host must be reachable by
   passwordless ssh from this node (itself included); that is checked first (one line naming the
   host that is not, exit 2). The master address is the first host unless `--master_addr` says
-  otherwise; `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
+  otherwise (one node of a hostfile runs here: 127.0.0.1, no ssh); `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
   --node_rank R` the same command is run on every node (SLURM: launch/slurm.sbatch). Without a
   hostfile: one node, `--num_gpus` processes. Ctrl-C (SIGTERM) on a pdsh launch stops this job's
   launcher on every node over ssh, not every DeepSpeed launcher there (DeepSpeed's own handler).
@@ -195,7 +195,7 @@ def deepspeed_command(config: str, overrides: list[str], *, hostfile: str | None
                       num_gpus: int = -1, node_rank: int | None = None, no_ssh: bool = False,
                       master_addr: str | None = None, master_port: int = DEFAULT_PORT,
                       python: str = sys.executable, backend: str | None = None, ssh_port: int | None = None,
-                      launcher_args: str | None = None) -> list[str]:
+                      launcher_args: str | None = None, ssh_check: bool = True) -> list[str]:
     cmd = [python, "-u", "-m", "deepspeed.launcher.runner"]
     if backend:
         cmd += ["--launcher", backend]
@@ -213,6 +213,8 @@ def deepspeed_command(config: str, overrides: list[str], *, hostfile: str | None
         cmd += ["--num_gpus", str(num_gpus)]
     if no_ssh:
         cmd += ["--no_ssh", f"--node_rank={node_rank or 0}"]
+    if not ssh_check:
+        cmd += ["--no_ssh_check"]
     if master_addr:
         cmd += ["--master_addr", master_addr]
     cmd += ["--master_port", str(master_port), "--module", "mode.train", "--config", config, *overrides]
@@ -394,15 +396,17 @@ def main(argv=None) -> int:
                                node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port)
     else:
         master = a.master_addr
-        if master is None and len(nodes) > 1 and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess
-            master = nodes[0][0]
+        if master is None and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess (asked over ssh)
+            # one node of a hostfile: DeepSpeed starts its ranks here, yet without an address it ssh'd to the
+            # first host (a traceback where there is no ssh) for its ssh check and `hostname -I`
+            master = nodes[0][0] if len(nodes) > 1 else "127.0.0.1"
         args = [a.config, *a.overrides]
         if pdsh:  # arrive unchanged
             args = [pdsh_arg(x) for x in args]
         cmd = deepspeed_command(args[0], args[1:], hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
                                 master_port=a.master_port, backend=backend, ssh_port=a.ssh_port,
-                                launcher_args=a.launcher_args)
+                                launcher_args=a.launcher_args, ssh_check=len(nodes) > 1 or not a.hostfile)
     if a.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " \\\n  " + shlex.join(cmd))
         return 0

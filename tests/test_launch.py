@@ -272,6 +272,25 @@ def test_launch_scripts_run_the_checkouts_python_and_name_a_wrong_one(tmp_path):
         "creates, or set PYTHON= for the launch scripts)"], r.stderr
 
 
+def test_one_node_of_a_hostfile_needs_no_ssh(tmp_path, capsys):
+    """Bug caught: one node of a hostfile (`--num_nodes 1`, or a one-host file) runs its ranks on this
+    machine, but DeepSpeed's runner, given no --master_addr, first ssh'd to the first host (its ssh
+    check, then `hostname -I` for the address): without ssh a RuntimeError traceback after the
+    config was validated. The local address and --no_ssh_check are passed; several nodes keep node 0."""
+    from launch.run import main
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("no-such-host.invalid slots=1\nother.invalid slots=1\n")
+    common = ["--hostfile", str(hostfile), "--dry-run", "--config", "configs/tiny/dense.yaml",
+              f"run.dir={tmp_path / 'run'}"]
+    assert main(["--num_nodes", "1", *common]) == 0
+    cmd = capsys.readouterr().out
+    assert "--no_ssh_check --master_addr 127.0.0.1 " in cmd, cmd
+    assert main(["--no_ssh", "--node_rank", "1", *common]) == 0
+    cmd = capsys.readouterr().out
+    assert "--master_addr no-such-host.invalid " in cmd and "--no_ssh_check" not in cmd, cmd
+
+
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
     """For ssh (pdsh) launches DeepSpeed exports each KEY=VALUE line of $DS_ENV_FILE on every node."""
     import launch.run as lr
