@@ -291,6 +291,35 @@ def test_one_node_of_a_hostfile_needs_no_ssh(tmp_path, capsys):
     assert "--master_addr no-such-host.invalid " in cmd and "--no_ssh_check" not in cmd, cmd
 
 
+def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_path):
+    """Bug caught: `sbatch --export=NONE` (SBATCH_EXPORT=NONE, a site default at some centres) leaves
+    SLURM_EXPORT_ENV=NONE in the job, which srun reads as its own --export: each node's launcher started
+    without HOSTFILE, GPUS_PER_NODE, MASTER_ADDR (`--hostfile '' --num_gpus ''`: the job failed). The
+    step asks for --export=ALL. Fake scontrol/srun (srun dropping the environment as SLURM does)."""
+    bin_dir, run_dir, out = tmp_path / "bin", tmp_path / "run", tmp_path / "args"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $2 == hostnames ]] && echo n0\nexit 0\n')
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\nall=0\nwhile [[ $1 == --* ]]; do [[ $1 == --export=ALL ]] && all=1; shift; done\n"
+        'if [[ $all == 0 && ${SLURM_EXPORT_ENV:-ALL} == NONE ]]; then exec env -i PATH="$PATH" SLURM_NODEID=0 "$@"; fi\n'
+        'SLURM_NODEID=0 exec "$@"\n')
+    (bin_dir / "py").write_text(  # the interpreter: --validate-only prints run.dir; the launcher records its args
+        f'#!/usr/bin/env bash\nfor a in "$@"; do [[ $a == --validate-only ]] && {{ echo {run_dir}; exit 0; }}; done\n'
+        f'printf "%s\\n" "$@" > {out}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    e = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(bin_dir / "py"),
+         "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n0", "SLURM_NNODES": "1",
+         "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "4", "SLURM_EXPORT_ENV": "NONE"}
+    r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "c.yaml", "x.y=1"], env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    args = out.read_text().splitlines()
+    assert args[args.index("--hostfile") + 1] == f"{run_dir}/slurm/hostfile.77", args
+    assert args[args.index("--num_gpus") + 1] == "2" and args[args.index("--master_addr") + 1] == "n0", args
+    assert args[-3:] == ["--config", "c.yaml", "x.y=1"], args
+
+
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
     """For ssh (pdsh) launches DeepSpeed exports each KEY=VALUE line of $DS_ENV_FILE on every node."""
     import launch.run as lr
