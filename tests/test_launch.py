@@ -291,6 +291,7 @@ def test_one_node_of_a_hostfile_needs_no_ssh(tmp_path, capsys):
     assert "--master_addr no-such-host.invalid " in cmd and "--no_ssh_check" not in cmd, cmd
 
 
+@pytest.mark.slow  # starts bash
 def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_path):
     """Bug caught: `sbatch --export=NONE` (SBATCH_EXPORT=NONE, a site default at some centres) leaves
     SLURM_EXPORT_ENV=NONE in the job, which srun reads as its own --export: each node's launcher started
@@ -318,6 +319,18 @@ def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_pa
     assert args[args.index("--hostfile") + 1] == f"{run_dir}/slurm/hostfile.77", args
     assert args[args.index("--num_gpus") + 1] == "2" and args[args.index("--master_addr") + 1] == "n0", args
     assert args[-3:] == ["--config", "c.yaml", "x.y=1"], args
+    # Bug caught: a MASTER_ADDR the submitting shell exported (a torchrun launch's, say) became the
+    # job's master though no node of the job has that name: every rank waited for the rendezvous
+    # timeout. One of the job's nodes is honoured.
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $2 == hostnames ]] && printf "n0\\nn1\\n"\nexit 0\n')
+    two = {**e, "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_NNODES": "2"}
+    for given, master in (("node0", "n0"), ("n1", "n1"), ("n", "n0")):
+        r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "c.yaml"],
+                           env={**two, "MASTER_ADDR": given}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        args = out.read_text().splitlines()
+        assert args[args.index("--master_addr") + 1] == master, (given, args)
+        assert ("is not a node of job 77 (n0 n1)" in r.stderr) == (given != master), r.stderr
 
 
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
