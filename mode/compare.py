@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -796,6 +797,8 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
+        if not (a.poll > 0 and math.isfinite(a.poll)):  # time.sleep(-1) raised after the first poll
+            raise ConfigError("--poll", a.poll, "a positive number of seconds")
         exp = load_experiment(a.experiment, a.runs_dir)
         if a.seeds:
             try:

@@ -96,6 +96,14 @@ def test_bad_grid_is_refused_before_any_run_starts(tmp_path, capsys, monkeypatch
     assert r.returncode == 2 and "variants.mod must be a mapping with a `config:` path" in r.stderr
 
 
+@pytest.mark.parametrize("poll", ["-1", "0", "nan", "inf"])
+def test_a_poll_interval_that_is_not_positive_is_refused_first(tmp_path, capsys, monkeypatch, poll):
+    """Bug caught: --poll -1 was accepted; the wait crashed at its first time.sleep, jobs submitted."""
+    exp = experiment(tmp_path)
+    r = mode_here(capsys, monkeypatch, "compare", exp, "--dry-run", "--poll", poll)
+    assert r.returncode == 2 and r.stderr.strip() == f"config error: --poll={float(poll)!r}: a positive number of seconds"
+
+
 def test_dry_run_expands_variants_and_seeds(tmp_path, capsys, monkeypatch):
     exp = experiment(tmp_path, seeds=[0, 1], nproc=2)
     r = mode_here(capsys, monkeypatch, "compare", exp, "--dry-run", "--only", "mod")
