@@ -220,6 +220,28 @@ def test_noop_routes_get_exactly_zero_update():
     assert torch.isfinite(x.grad).all()
 
 
+def test_noop_exclude_balance_renormalises_tokens_that_strongly_prefer_noops():
+    """Bug caught: with noop_balance=exclude, P_e (real-expert probabilities renormalised over the
+    real experts) divided by the real-probability sum clamped at float32 eps (1.2e-7), so a token
+    whose real experts together had less than that (a no-op logit margin of ~16) added less than 1
+    to sum_e P_e and the balance loss came out too small. Reference: softmax over the real logits."""
+    cfg = model_cfg(num_experts=2, num_noop_experts=2, top_k=1, capacity_factor=None, noop_balance="exclude",
+                    lb_loss_weight=1.0, z_loss_weight=0.0)
+    m = native(cfg, router_scale=1.0)
+    x = torch.randn(1, 8, 16)
+    x[..., 0] = (torch.arange(8) % 2).float()  # odd tokens carry a feature that only the no-ops read
+    with torch.no_grad():
+        m.router.weight[:, 0] = torch.tensor([0.0, 0.0, 30.0, 30.0])
+    m(x)
+    logits = x[0].double() @ m.router.weight.detach().double().t()
+    assert (logits[1::2].softmax(-1)[:, :2].sum(-1) < 1e-9).all()  # far below float32 eps
+    r = m.last_routing
+    f = torch.bincount(r.idx_TK[r.idx_TK < 2], minlength=2).double()
+    P = logits[:, :2].softmax(-1).mean(0)
+    want = 2 * (f / f.sum() * P).sum()
+    torch.testing.assert_close(m.metrics["lb_loss"].double(), want, rtol=1e-6, atol=0)
+
+
 def test_capacity_matches_deepspeed_exactly():
     from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
 

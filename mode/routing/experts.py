@@ -186,7 +186,7 @@ class ExpertRouter(nn.Module):
             sel_R = (idx_TK if valid_TK is None else torch.where(valid_TK, idx_TK, E + self.N)).reshape(-1)
             counts_lb = count(sel_R, E + self.N + 1)[:E + self.N]
         elif self.N:
-            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)
+            probs_TE = logits_TX[:, :E].softmax(-1)  # = p_e / sum of real p, exact however small that sum
         if vmask_T1 is None:
             P_E = probs_TE.mean(0)
             z = torch.logsumexp(logits_TX, -1).square().mean()
