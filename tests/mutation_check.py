@@ -167,6 +167,9 @@ MUTANTS = [
      "self.cfg.split_seed * 1000003 + int(e))", "self.cfg.split_seed * 1000003)", ["tests/test_data.py"]),
     ("eval/bpb counts a prepended space as a byte", "mode/data.py",
      "total += int(nbytes[d]) - int(table[tokens].sum())", "total += 0", ["tests/test_data.py"]),
+    ("noop_balance exclude renormalises P by a sum clamped at eps", "mode/routing/experts.py",
+     "probs_TE = logits_TX[:, :E].softmax(-1)",
+     "probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)", MOE),
     # Checkpoints
     ("checksum not compared on load", "mode/checkpoint.py",
      '        if _sha256(p) != meta["sha256"]:\n', "        if False:\n", CKPT),
