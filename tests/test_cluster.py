@@ -231,6 +231,61 @@ def test_sbatch_two_cpu_ranks_train_with_checkpoints_and_events(tmp_path, cluste
 
 
 @pytest.mark.slow
+def test_the_moved_job_log_keeps_slurms_own_lines_across_a_requeue(tmp_path, cluster):
+    """Bug caught: the template moved SLURM's default log into run.dir by copying it and deleting the
+    original, but slurmstepd keeps writing to the file it opened: its own lines ("*** JOB n ...
+    CANCELLED AT ... DUE TO TIME LIMIT ***", the only word on why a job stopped) went to a deleted
+    file. Now a hard link: a running job requeued, then cancelled, leaves both of SLURM's lines in
+    <run.dir>/slurm/job-<id>.out, in order with the attempts' own, and nothing in the submit directory."""
+    from mode.rundir import check_lock
+
+    submit_dir, run = tmp_path / "submit", tmp_path / "run"
+    submit_dir.mkdir()
+    sbatch = ["sbatch", "--parsable", "--ntasks-per-node=1", str(ROOT / "launch" / "slurm.sbatch"), "--config",
+              str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=100000", "checkpoint.every=100000",
+              f"data.prepared_dir={tmp_path / 'prepared'}", f"run.dir={run}"]
+    job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
+                         check=True).stdout.strip()
+    log = run / "slurm" / f"job-{job}.out"
+
+    def training(restarts: str) -> None:  # this attempt's trainer holds the run's lock
+        end = time.monotonic() + 300
+        while True:
+            state = job_field(cluster, job, "JobState")
+            assert time.monotonic() < end and state in SLURM_ACTIVE, \
+                log.read_text() if log.exists() else list(submit_dir.iterdir())
+            if state == "PENDING":  # a requeued job waits 2 min before it may start again otherwise
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster_env(cluster))
+            if job_field(cluster, job, "Restarts") == restarts and state == "RUNNING":
+                try:
+                    check_lock(run)
+                except Exception:
+                    return
+            time.sleep(0.5)
+
+    try:
+        training("0")
+        subprocess.run(["scontrol", "requeue", job], env=cluster_env(cluster), check=True)
+        training("1")
+        subprocess.run(["scancel", job], env=cluster_env(cluster), check=True)
+    finally:
+        subprocess.run(["scancel", job], env=cluster_env(cluster))
+    assert wait_job(cluster, job, 120) == "CANCELLED"
+    lines = log.read_text().splitlines()
+    slurms = f"*** JOB {job} ON "  # slurmstepd's own line, e.g. "*** JOB 42 ON vm CANCELLED AT <time> ***"
+
+    def where(ok) -> int:
+        return next((i for i, ln in enumerate(lines) if ok(ln)), -1)
+
+    at = [where(lambda ln: f"mode: job {job}: 1 nodes" in ln),
+          where(lambda ln: slurms in ln and "CANCELLED AT" in ln and "DUE TO JOB REQUEUE" in ln),
+          where(lambda ln: f"mode: job {job} (restart 1): 1 nodes" in ln),
+          where(lambda ln: slurms in ln and "CANCELLED AT" in ln and "REQUEUE" not in ln)]
+    assert -1 not in at and at == sorted(at), (at, lines)
+    assert list(submit_dir.iterdir()) == [] and sorted(p.name for p in log.parent.glob("job-*")) == [log.name]
+
+
+@pytest.mark.slow
 def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(tmp_path, cluster):
     """num_gpus 0 (a CPU partition). First every job fails (zero ranks forced through sbatch's
     --export): reported by name, state and log, and not resubmitted by the next call; with the
