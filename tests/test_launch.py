@@ -324,13 +324,14 @@ def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_pa
     # timeout. One of the job's nodes is honoured.
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $2 == hostnames ]] && printf "n0\\nn1\\n"\nexit 0\n')
     two = {**e, "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_NNODES": "2"}
-    for given, master in (("node0", "n0"), ("n1", "n1"), ("n", "n0")):
+    for given, master in (({"MASTER_ADDR": "127.0.0.1"}, "n0"), ({"MASTER_ADDR": "n1"}, "n1"),
+                          ({"MASTER_ADDR": "n"}, "n0"), ({"MASTER_ADDR": "x", "MODE_MASTER_ADDR": "10.0.0.7"}, "10.0.0.7")):
         r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "c.yaml"],
-                           env={**two, "MASTER_ADDR": given}, capture_output=True, text=True, timeout=60)
+                           env={**two, **given}, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         args = out.read_text().splitlines()
         assert args[args.index("--master_addr") + 1] == master, (given, args)
-        assert ("is not a node of job 77 (n0 n1)" in r.stderr) == (given != master), r.stderr
+        assert ("is not a node of job 77 (n0 n1)" in r.stderr) == (master == "n0"), r.stderr
 
 
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
@@ -401,7 +402,7 @@ def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
         f.chmod(0o755)
     e = dict(env(1), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=PY, MODE_ROOT=str(ROOT),
              SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_NNODES="2",
-             SLURM_GPUS_ON_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+             SLURM_GPUS_ON_NODE="1", MODE_MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     config = str(ROOT / EP_CONFIG)
     sbatch = str(ROOT / "launch" / "slurm.sbatch")
     # run.fresh=true: the job writes run.dir/slurm/ before the trainer starts; that directory is new
