@@ -126,7 +126,7 @@ MUTANTS = [
     ("load balance counts routes after dropping", "mode/routing/experts.py",
      "        counts_lb = counts_E\n", "        counts_lb = kept_E\n", MOE),
     ("no-op share left in P_e when excluded from balance", "mode/routing/experts.py",
-     "            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)", "            probs_TE = probs_TE / 1.0 + 0 * probs_TE.sum(-1, keepdim=True)", MOE),
+     "            probs_TE = logits_TX[:, :E].softmax(-1)", "            probs_TE = probs_TX[:, :E]", MOE),
     # Sampling
     ("temperature multiplies the logits", "mode/generate.py",
      "keepdim=True)) / temperature", "keepdim=True)) * temperature", GEN),
@@ -287,7 +287,7 @@ MUTANTS = [
      'PEAK_TFLOPS = {"H100 PCIe": {"bf16": 756.0, "fp32": 51.0}, ', "PEAK_TFLOPS = {", ["tests/test_logging.py"]),
     # Session 11: evaluation (issue #14 audit)
     ("every sampled eval request draws with one seed", "mode/harness.py",
-     'int(kw.get("seed", self.seed) or 0) + i, i)', 'int(kw.get("seed", self.seed) or 0), i)', ["tests/test_harness.py"]),
+     "(seed + i) % 2**64, i)", "seed % 2**64, i)", ["tests/test_harness.py"]),
     ("a task's top_p is ignored", "mode/harness.py",
      'float(kw.get("top_p") or 1.0)', "1.0", ["tests/test_harness.py"]),
     ("an export records sampling's stand-in data source", "mode/generate.py",
