@@ -396,17 +396,18 @@ def main(argv=None) -> int:
                                node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port)
     else:
         master = a.master_addr
+        # one node of a hostfile: DeepSpeed starts its ranks here, yet without an address it ssh'd to the
+        # first host (a traceback where there is no ssh) for its ssh check and `hostname -I`
+        one_node = bool(a.hostfile) and len(nodes) < 2
         if master is None and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess (asked over ssh)
-            # one node of a hostfile: DeepSpeed starts its ranks here, yet without an address it ssh'd to the
-            # first host (a traceback where there is no ssh) for its ssh check and `hostname -I`
-            master = nodes[0][0] if len(nodes) > 1 else "127.0.0.1"
+            master = "127.0.0.1" if one_node else nodes[0][0]
         args = [a.config, *a.overrides]
         if pdsh:  # arrive unchanged
             args = [pdsh_arg(x) for x in args]
         cmd = deepspeed_command(args[0], args[1:], hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
                                 master_port=a.master_port, backend=backend, ssh_port=a.ssh_port,
-                                launcher_args=a.launcher_args, ssh_check=len(nodes) > 1 or not a.hostfile)
+                                launcher_args=a.launcher_args, ssh_check=not one_node)
     if a.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " \\\n  " + shlex.join(cmd))
         return 0

@@ -42,6 +42,7 @@ from mode.config import ConfigError, DataConfig, is_int, looks_local
 MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
 FORMAT = "mode-prepared-v1"
+PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
 EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".rst": "text", ".json": "json",
               ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
 # Keys that decide which tokens are written; everything else (seq_len, workers, where) reads the same data.
@@ -784,8 +785,8 @@ def _alive(pid: int) -> bool:
 
 
 # Every name a prepare writes into its directory (and its `.tmp`): anything else is a user's.
-OURS = re.compile(r"^((train|val)_\d{5,}\.(bin|docs\.npy|bytes\.npy)|manifest\.json|\.mode-prepare"
-                  r"|progress\.json(\.new)?|val_hashes(\.new)?\.npy)$")
+OURS = re.compile(rf"^((train|val)_\d{{5,}}\.(bin|docs\.npy|bytes\.npy)|{re.escape(MANIFEST)}|{re.escape(MARKER)}"
+                  rf"|{re.escape(PROGRESS)}(\.new)?|val_hashes(\.new)?\.npy)$")
 
 
 def _check_ours(path: Path) -> None:
@@ -877,7 +878,6 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
     return out
 
 
-PROGRESS = "progress.json"  # inside <name>.tmp/: what a killed prepare had completed
 
 
 def progress_bar(desc: str):

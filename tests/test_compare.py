@@ -472,6 +472,7 @@ def test_slurm_job_that_finished_its_run_after_validation_is_not_a_failure(tmp_p
         assert active == {} and failed == [] and runs[0].status == "done", failed
 
 
+@pytest.mark.slow  # starts fake squeue/scontrol/sacct scripts
 def test_preempted_slurm_job_is_final_and_a_stopped_or_held_one_is_not(tmp_path, monkeypatch):
     """PREEMPTED is a final state (SLURM: "terminated due to preemption"; a requeued job shows
     REQUEUED/PENDING): it was taken as queued or running, so `--wait` polled a preempted job forever
