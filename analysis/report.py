@@ -174,13 +174,14 @@ def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
            "last_step": max(steps) if steps else None, "config_diff": run.config_diff, "eval_step": eval_step}
     for m in METRICS:
         v = m.reduce(run, eval_step) if m.at_eval_step else m.reduce(run)
-        out[m.key] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+        # a logged NaN (a diverged seed) stays NaN: read as "not logged", the seed left the variant's mean
+        out[m.key] = None if v is None else float(v)
     return out
 
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean and sample standard deviation over the seeds that have the value."""
+    """Mean and sample standard deviation over the seeds that have the value (nan when one is nan)."""
 
     mean: float
     std: float  # nan for a single seed
@@ -571,7 +572,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         lines.append("")
     lines += ["## Summary per variant (mean ± sample std over seeds, n − 1)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
-              "stopped early is not averaged with the others' later losses); tokens/s and step time are "
+              "stopped early is not averaged with the others' later losses; a seed's nan, a diverged run, makes the "
+              "variant's nan); tokens/s and step time are "
               "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, of the learned threshold (`causal=threshold`), "
               "or of the router's sign rule without either); dropped tokens (a share of tokens) and no-op (a share "

@@ -966,3 +966,21 @@ def test_expert_load_imbalance_is_the_mean_over_seeds_of_each_seeds_imbalance(tm
     assert cells(row)[cells(head).index("load max/mean")] == "2.00", (head, row)
     # the table's dropped-token share is of the tokens the MoE layer sees (staged MoDE: the routed ones)
     assert "count only what the MoE layer sees: inside a depth-routed block (staged MoDE)" in " ".join(md.split())
+
+
+def test_a_seed_with_a_nan_eval_loss_is_not_left_out_of_its_variants_mean(tmp_path):
+    """Bug caught: a diverged seed (eval/loss NaN) was read as "not logged": the variant's mean was
+    the other seeds' (2 of them) under "3 seeds", so a variant that diverged looked as good as one
+    that did not, and the runs table showed "—" for it, as for a run never evaluated."""
+    root = tmp_path / "runs"
+    losses = (2.0, 2.2, float("nan"))
+    for seed, v in enumerate(losses):
+        _write_run(root / f"dense_seed{seed}", "dense", seed, v)
+    report.analyze(root, tmp_path / "out")
+    dense = json.loads((tmp_path / "out" / "summary.json").read_text())["dense"]
+    expect = float(np.mean(np.array(losses, dtype=np.float32), dtype=np.float64))  # TensorBoard stores float32
+    assert math.isnan(expect) and math.isnan(dense["eval_loss"]["mean"]) and dense["eval_loss"]["n"] == len(losses)
+    md = (tmp_path / "out" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| `dense` |"))
+    assert "| nan |" in row and "2.1000" not in row, row
+    assert "| `dense_seed2` | `dense_seed2` | `dense` | 2 | 10 | yes | nan |" in md
