@@ -4,7 +4,8 @@ lowest, taken from a parabola fitted in log10(params) when three or more sizes e
 
 A run's budget is 3 x forward FLOPs/token x tokens/step x train.max_steps (what it was
 configured to spend, so runs still in progress are grouped correctly); its loss is the eval loss at
-train.max_steps, so a run stopped early or still running is no point (listed apart). Runs are grouped by
+train.max_steps, so a run stopped early or still running is no point (listed apart), nor is one whose final
+loss is not finite (diverged; listed apart). Runs are grouped by
 the nearest budget named in the experiment YAML (its top-level `budgets:`, read by
 `parse_budgets` for `mode compare` and `mode analyze --experiment` alike), or else by clustering
 budgets within a relative tolerance (the sizing rounds model shapes, so budgets match only
@@ -160,14 +161,19 @@ def final_eval_loss(run: RunLog) -> float | None:
 
 
 def collect_points(runs: list[RunLog], budgets: list[float] | None = None, rtol: float = 0.25,
-                   unfinished: list[RunLog] | None = None) -> list[SizePoint]:
+                   unfinished: list[RunLog] | None = None, diverged: list[RunLog] | None = None) -> list[SizePoint]:
     """Mean final eval loss per (curve, budget, size). Only runs evaluated at their train.max_steps (or
-    DONE) count; the others, which have a budget and an eval loss, are appended to `unfinished`."""
+    DONE) count; the others, which have a budget and an eval loss, are appended to `unfinished`, and
+    those whose final loss is not finite to `diverged`."""
     usable = [(r, training_budget(r)) for r in runs]
     usable = [(r, b) for r, b in usable if b and r.last("eval/loss") is not None and r.info.get("params")]
     if unfinished is not None:
         unfinished += [r for r, _ in usable if final_eval_loss(r) is None]
     usable = [(r, b) for r, b in usable if final_eval_loss(r) is not None]
+    # a NaN point makes the parabola NaN and argmin pick it: a diverged size would read as the optimum
+    if diverged is not None:
+        diverged += [r for r, _ in usable if not math.isfinite(final_eval_loss(r))]
+    usable = [(r, b) for r, b in usable if math.isfinite(final_eval_loss(r))]
     labels = assign_budgets([b for _, b in usable], budgets, rtol)
     curve = curve_names([r for r, _ in usable])
     acc: dict[tuple[str, float, float], list[float]] = {}
@@ -288,7 +294,8 @@ def is_isoflop_grid(points: list[SizePoint]) -> bool:
 def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | None = None) -> list[str]:
     """Markdown lines (and isoflop.png) when the runs form an isoFLOP grid, else []."""
     unfinished: list[RunLog] = []
-    points = collect_points(runs, budgets, unfinished=unfinished)
+    diverged: list[RunLog] = []
+    points = collect_points(runs, budgets, unfinished=unfinished, diverged=diverged)
     if not is_isoflop_grid(points):
         return []
     opts = optima(points)
@@ -306,6 +313,9 @@ def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | No
         lines += ["", "Left out, not evaluated at their `train.max_steps` yet (stopped early or still running): "
                   + ", ".join(f"`{r.name}` (eval step {r.last_step('eval/loss')} of {r.cfg('train.max_steps')})"
                               for r in unfinished) + "."]
+    if diverged:
+        lines += ["", "Left out, final eval loss not finite (diverged): "
+                  + ", ".join(f"`{r.name}` ({final_eval_loss(r)})" for r in diverged) + "."]
     for v in dict.fromkeys(o.variant for o in opts):
         law = scaling_law(opts, v)
         if law:

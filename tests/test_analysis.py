@@ -984,3 +984,26 @@ def test_a_seed_with_a_nan_eval_loss_is_not_left_out_of_its_variants_mean(tmp_pa
     row = next(line for line in md.splitlines() if line.startswith("| `dense` |"))
     assert "| nan |" in row and "2.1000" not in row, row
     assert "| `dense_seed2` | `dense_seed2` | `dense` | 2 | 10 | yes | nan |" in md
+
+
+def test_isoflop_a_diverged_size_is_no_point_and_not_the_optimum(tmp_path):
+    """Bug caught: a run whose final eval loss was NaN (diverged) was an isoFLOP point: the parabola
+    fit through it was all NaN, and the fallback (argmin, which returns a NaN's index) named the
+    diverged size the loss-optimal one, with loss nan."""
+    sizes = {1e5: 2.6, 3e5: float("nan"), 1e6: 2.5, 3e6: 2.7}
+    runs = []
+    for params, loss in sizes.items():
+        fpt = 6 * params
+        runs.append(fake_run("dense", params, fpt, round(1e12 / (3 * fpt * 1000)), loss))
+    finite = {p: v for p, v in sizes.items() if math.isfinite(v)}
+    x, y = np.log10(list(finite)), np.array(list(finite.values()))
+    c = np.linalg.lstsq(np.stack([x ** 2, x, np.ones_like(x)], 1), y, rcond=None)[0]  # the parabola, independently
+    xv = -c[1] / (2 * c[0])
+    assert c[0] > 0 and x.min() < xv < x.max()
+    diverged: list = []
+    (opt,) = isoflop.optima(isoflop.collect_points(runs, diverged=diverged))
+    assert (opt.method, opt.params, opt.loss) == ("parabola", pytest.approx(10 ** xv),
+                                                  pytest.approx(np.polyval(c, xv)))
+    assert [r.info["params"] for r in diverged] == [3e5]
+    lines = "\n".join(isoflop.isoflop_section(runs, tmp_path))
+    assert f"Left out, final eval loss not finite (diverged): `{diverged[0].name}` (nan)" in lines
