@@ -7,7 +7,7 @@ configured to spend, so runs still in progress are grouped correctly); its loss 
 train.max_steps, so a run stopped early or still running is no point (listed apart), nor is one whose final
 loss is not finite (diverged; listed apart). Runs are grouped by
 the nearest budget named in the experiment YAML (its top-level `budgets:`, read by
-`parse_budgets` for `mode compare` and `mode analyze --experiment` alike), or else by clustering
+`parse_budgets` for `mode compare` and `mode analyze --experiment` alike) within 25%, or else by clustering
 budgets within a relative tolerance (the sizing rounds model shapes, so budgets match only
 approximately). One curve is the runs whose configs differ only in model size and steps
 (`SWEPT`): the variants `dense_s`, `dense_m` of a compare grid, or same-named runs of several
@@ -106,12 +106,19 @@ def training_budget(run: RunLog) -> float | None:
 
 
 def assign_budgets(values: list[float], budgets: list[float] | None = None, rtol: float = 0.25) -> list[float]:
-    """The budget each value belongs to: the nearest of `budgets` in log space, or, without
-    budgets, the geometric mean of its cluster (sorted values, a new cluster whenever a value
-    exceeds the cluster's smallest by more than rtol)."""
+    """The budget each value belongs to: the nearest of `budgets` in log space when within rtol of
+    it, else (and without budgets) the geometric mean of its cluster (sorted values, a new cluster
+    whenever a value exceeds the cluster's smallest by more than rtol)."""
     if budgets:
         logb = np.log(np.asarray(budgets, dtype=np.float64))
-        return [float(budgets[int(np.argmin(np.abs(logb - math.log(v))))]) for v in values]
+        near = [float(budgets[int(np.argmin(np.abs(logb - math.log(v))))]) for v in values]
+        # a run far from every named budget (another experiment's in the same runs_dir) is at none of
+        # them: under the nearest, its loss would read as that budget's result
+        label = [b if abs(math.log(v / b)) <= math.log(1 + rtol) else None for v, b in zip(values, near)]
+        rest = [i for i, b in enumerate(label) if b is None]
+        for i, b in zip(rest, assign_budgets([values[i] for i in rest], None, rtol)):
+            label[i] = b
+        return label
     order = np.argsort(values)
     label = [0.0] * len(values)
     cluster: list[int] = []
@@ -301,7 +308,8 @@ def isoflop_section(runs: list[RunLog], out_dir: Path, budgets: list[float] | No
     opts = optima(points)
     fig = plot_isoflop(points, opts, Path(out_dir) / "isoflop.png")
     grouping = (f"each run at the nearest budget the experiment names (`budgets: "
-                f"[{', '.join(f'{b:.3g}' for b in budgets)}]`)" if budgets else
+                f"[{', '.join(f'{b:.3g}' for b in budgets)}]`) within 25%, other runs at clusters of their "
+                "training FLOPs" if budgets else
                 "budgets are clusters of the runs' training FLOPs (within 25%; an experiment's `budgets:` names them)")
     lines = ["## isoFLOP", "", "Final eval loss vs parameters at each training budget "
              f"(3 × forward FLOPs/token × tokens/step × max_steps; {grouping}); one curve per variant whose runs "

@@ -1007,3 +1007,26 @@ def test_isoflop_a_diverged_size_is_no_point_and_not_the_optimum(tmp_path):
     assert [r.info["params"] for r in diverged] == [3e5]
     lines = "\n".join(isoflop.isoflop_section(runs, tmp_path))
     assert f"Left out, final eval loss not finite (diverged): `{diverged[0].name}` (nan)" in lines
+
+
+def test_isoflop_a_run_far_from_every_named_budget_is_not_put_under_one(tmp_path):
+    """Bug caught: with `budgets: [1e12, 3e12]`, a run of the same curve trained at 1e14 (another
+    experiment's, sharing runs_dir) went under 3e12, the nearest, and was named that budget's
+    loss-optimal size (3e6 params at loss 1.9): the 33x larger budget's loss read as a 3e12 result."""
+    grid = {1e5: 2.6, 3e5: 2.4, 1e6: 2.5}
+    runs = []
+    for params, loss in grid.items():
+        fpt = 6 * params
+        runs.append(fake_run("dense", params, fpt, round(1e12 / (3 * fpt * 1000)), loss))
+    far = fake_run("dense", 3e6, 6 * 3e6, round(1e14 / (3 * 6 * 3e6 * 1000)), 1.9)
+    runs.append(far)
+    points = isoflop.collect_points(runs, budgets=[1e12, 3e12])
+    assert {p.params: p.budget for p in points} == {1e5: 1e12, 3e5: 1e12, 1e6: 1e12,
+                                                   3e6: pytest.approx(isoflop.training_budget(far))}
+    x, y = np.log10(list(grid)), np.array(list(grid.values()))
+    c = np.linalg.lstsq(np.stack([x ** 2, x, np.ones_like(x)], 1), y, rcond=None)[0]  # the 1e12 parabola alone
+    opts = {o.budget: o for o in isoflop.optima(points)}
+    assert 3e12 not in opts and opts[1e12].params == pytest.approx(10 ** (-c[1] / (2 * c[0])))
+    # a run meant for a named budget but sized approximately still goes under it
+    assert isoflop.assign_budgets([0.82e12, 1.2e12, 2.5e12], [1e12, 3e12]) == [1e12, 1e12, 3e12]
+
