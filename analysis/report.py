@@ -225,7 +225,9 @@ def table_markdown(table: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
         cells = [f"`{variant}`", str(len(row["seeds"])), "—" if row["eval_step"] is None else str(row["eval_step"])]
+        # a cell over fewer seeds than the variant has (a seed not evaluated yet) says how many
         cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant)
+                  + (f" (n={row[m.key].n})" if row[m.key].n < len(row["seeds"]) else "")
                   + (f" {CAPACITY_MARK}" if m.key in ("eval_loss_causal", "causal_gap") and row["causal_lifts_capacity"]
                      else "") for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
@@ -573,7 +575,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     lines += ["## Summary per variant (mean ± sample std over seeds, n − 1)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
               "stopped early is not averaged with the others' later losses; a seed's nan, a diverged run, makes the "
-              "variant's nan); tokens/s and step time are "
+              "variant's nan; `(n=k)`: only k of the seeds have the value, e.g. one not evaluated yet); tokens/s and step time are "
               "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, of the learned threshold (`causal=threshold`), "
               "or of the router's sign rule without either); dropped tokens (a share of tokens) and no-op (a share "

@@ -1030,3 +1030,28 @@ def test_isoflop_a_run_far_from_every_named_budget_is_not_put_under_one(tmp_path
     # a run meant for a named budget but sized approximately still goes under it
     assert isoflop.assign_budgets([0.82e12, 1.2e12, 2.5e12], [1e12, 3e12]) == [1e12, 1e12, 3e12]
 
+
+def test_a_cell_over_fewer_seeds_than_the_variant_has_says_how_many(tmp_path):
+    """Bug caught: a seed not evaluated yet (it just started) left the eval-loss mean, which the
+    table showed under "3 seeds" with nothing to say it was the mean of 2."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    losses = {0: 2.0, 1: 2.3}
+    for seed, v in losses.items():
+        _write_run(root / f"dense_seed{seed}", "dense", seed, v)
+    d = root / "dense_seed2"
+    _write_run(d, "dense", 2, 9.9)
+    shutil.rmtree(d / "tb")
+    (d / "DONE").unlink()
+    w = SummaryWriter(str(d / "tb"))  # still running: logged a training step, no evaluation yet
+    w.add_scalar("train/loss", 5.0, 1)
+    w.close()
+    report.analyze(root, tmp_path / "out")
+    dense = json.loads((tmp_path / "out" / "summary.json").read_text())["dense"]
+    vals = np.array(list(losses.values()), dtype=np.float32).astype(np.float64)  # TensorBoard stores float32
+    assert dense["seeds"] == [0, 1, 2] and dense["eval_loss"]["n"] == 2
+    md = (tmp_path / "out" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| `dense` |"))
+    assert f"| {vals.mean():.4f} ± {vals.std(ddof=1):.4f} (n=2) |" in row, row
+    assert "| 1k |" in row, row  # every seed has it: no count
