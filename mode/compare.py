@@ -88,7 +88,7 @@ from pathlib import Path
 
 import yaml
 
-from mode.config import Config, ConfigError, is_int, is_number, parse_yaml, user_path
+from mode.config import NAME_RE, Config, ConfigError, is_int, is_number, parse_yaml, user_path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "slurm")
@@ -100,7 +100,6 @@ LAUNCHER_OPTIONS = {"local": (),
                                   "launcher_args", "env"),
                     "slurm": ("num_nodes", "num_gpus", "sbatch_args", "submit", "script", "env")}
 MAX_NPROC = 1024  # ranks per node: more than any node holds (GPUs, or CPU cores for CPU ranks)
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass
@@ -243,7 +242,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     if not isinstance(variants, dict) or not variants:
         raise _bad(path, "variants must be a non-empty mapping of name -> {config: ..., overrides: [...]}")
     for name, v in variants.items():
-        if not isinstance(name, str) or not NAME_RE.match(name):
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
             raise _bad(path, f"variant name {name!r}: letters, digits, _ . - (it names a directory)")
         if not isinstance(v, dict) or "config" not in v:
             raise _bad(path, f"variants.{name} must be a mapping with a `config:` path")

@@ -12,6 +12,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 import sys
 import textwrap
 import typing
@@ -20,6 +21,10 @@ from pathlib import Path
 from typing import Any, List, Optional, Union
 
 import yaml
+
+
+# a variant name: it names a run directory (mode compare) and report figure files
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class ConfigError(ValueError):
@@ -477,13 +482,16 @@ class RunConfig:
     fresh: bool = False
     """Empty an existing run directory instead of resuming it (only one that holds nothing but a mode run's files)."""
     name: str = ""
-    """Variant name (set by `mode compare`); shown in reports."""
+    """Variant name (set by `mode compare`): letters, digits, `_ . -`; shown in reports and names their figure files."""
 
     def __post_init__(self):
         self.dir = user_path(self.dir)
 
     def validate(self) -> None:
         _check(bool(self.dir.strip()), "run.dir", self.dir, "a non-empty path (an unset shell variable?)")
+        # the report names figure files after it: a '/' would point them into a missing directory
+        _check(not self.name or bool(NAME_RE.fullmatch(self.name)), "run.name", self.name,
+               "empty or letters, digits, _ . - (starting with a letter or digit)")
 
 
 @dataclass
