@@ -28,8 +28,9 @@ import numpy as np
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, damaged_line, forward_flops_per_token, group_by_variant,
                          load_runs, skipped_line, variant_colors, variant_sort_key)
-from mode.config import is_number
+from mode.config import flatten, is_number
 from mode.console import si
+from mode.prepare import KEY_FIELDS
 
 
 class NoRuns(ValueError):
@@ -163,6 +164,35 @@ def mfu_peaks(runs: list[RunLog]) -> dict[float, list[RunLog]]:
         if is_number(peak) and math.isfinite(peak) and r.series("perf/mfu")[1].size:
             out.setdefault(float(f"{peak:.6g}"), []).append(r)  # alike to 6 digits: one peak
     return dict(sorted(out.items()))
+
+
+# data keys that decide which text a run evaluates on (mode.prepare.KEY_FIELDS without the tokenizer's)
+EVAL_TEXT_KEYS = tuple(f"data.{k}" for k in KEY_FIELDS if k not in ("tokenizer", "eos_token"))
+
+
+def data_mismatch_lines(runs: list[RunLog], runs_dir: Path) -> list[str]:
+    """Report paragraphs when the runs' eval numbers are not on one scale: different tokenizers
+    (nats per token measure different units: only bits/byte compares) or different eval text."""
+    def tokenizer(r: RunLog) -> str:  # its sha256 (run_info.json) where every run has one, else its config
+        c = flatten(r.config)
+        return str(r.info["tokenizer_sha256"] if all("tokenizer_sha256" in x.info for x in runs)
+                   else (c.get("data.tokenizer"), c.get("data.eos_token")))
+
+    lines = []
+    for what, key, why in (
+            ("tokenizers", tokenizer, "eval loss, its curves and the isoFLOP losses are nats per token of different "
+             "tokens and do not compare across these groups; eval bits/byte does"),
+            ("evaluation text", lambda r: str([flatten(r.config).get(k) for k in EVAL_TEXT_KEYS]),
+             f"their data keys ({', '.join(f'`{k}`' for k in EVAL_TEXT_KEYS)}) differ, so no eval column compares "
+             "runs across these groups")):
+        groups: dict[str, list[RunLog]] = {}
+        for r in runs:
+            groups.setdefault(key(r), []).append(r)
+        if len(groups) > 1:
+            lines += [f"**Different {what}**: " + "; ".join(
+                f"{', '.join(f'`{_rel(r.path, runs_dir)}`' for r in rs)}" for rs in groups.values())
+                + f" — {why}.", ""]
+    return lines
 
 
 def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
@@ -559,6 +589,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     if damaged:  # on stderr too: points missing from a run's curves and table are never silent
         lines += [f"**Damaged event files** ({len(damaged)}, records lost from the middle): "
                   + "; ".join(damaged) + ".", ""]
+
+    lines += data_mismatch_lines(runs, runs_dir)
 
     split: dict[str, list[RunLog]] = {}
     for r in sorted((r for r in runs if r.config_diff), key=lambda r: (variant_sort_key(r.variant), str(r.path))):

@@ -278,7 +278,9 @@ class Trainer:
                     "active_params": console.active_params(cfg, params),
                     "forward_flops_per_token": self.flops["forward_flops_per_token"],
                     "world_size": self.world, "tokens_per_step": self.tokens_per_step,
-                    "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": self.peak_src}
+                    "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": self.peak_src,
+                    # which tokenizer: eval losses in nats per token compare only within one (analysis/report.py)
+                    "tokenizer_sha256": self.data.manifest["tokenizer"]["sha256"]}
             if os.environ.get("SLURM_JOB_ID"):  # the job that started this run (requeued_fresh_start)
                 info["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
             changes = self._saved_info().get("schedule_changes") if saved else None

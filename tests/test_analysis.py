@@ -1055,3 +1055,25 @@ def test_a_cell_over_fewer_seeds_than_the_variant_has_says_how_many(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| `dense` |"))
     assert f"| {vals.mean():.4f} ± {vals.std(ddof=1):.4f} (n=2) |" in row, row
     assert "| 1k |" in row, row  # every seed has it: no count
+
+
+def test_runs_of_different_tokenizers_or_evaluation_text_are_named_in_the_report(tmp_path):
+    """Bug caught: a report over runs of two tokenizers (or two validation sets) put their nats per
+    token side by side in one table, with nothing saying the numbers are on different scales."""
+    root = tmp_path / "runs"
+    _write_run(root / "a_seed0", "a", 0, 2.0)
+    _write_run(root / "b_seed0", "b", 0, 2.0)
+    _write_run(root / "c_seed0", "c", 0, 2.0, data__val_fraction=0.1)
+    for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
+        info = json.loads((root / f"{name}_seed0" / "run_info.json").read_text())
+        (root / f"{name}_seed0" / "run_info.json").write_text(json.dumps({**info, "tokenizer_sha256": sha}))
+    report.analyze(root, tmp_path / "out")
+    md = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert "**Different tokenizers**: `a_seed0`, `c_seed0`; `b_seed0`" in md, md
+    assert "**Different evaluation text**: `a_seed0`, `b_seed0`; `c_seed0`" in md, md
+    # one tokenizer and one eval text: nothing said
+    solo = tmp_path / "solo"
+    _write_run(solo / "a_seed0", "a", 0, 2.0)
+    _write_run(solo / "a_seed1", "a", 1, 2.1)
+    report.analyze(solo, tmp_path / "out2")
+    assert "**Different" not in (tmp_path / "out2" / "report.md").read_text()

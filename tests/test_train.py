@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from mode.prepare import ByteTokenizer
+
 from tests.util import ROOT, TINY, deepspeed_train, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
@@ -21,6 +23,8 @@ def test_end_to_end_tiny_run_learns(tmp_path):
         assert scalars(run, tag), tag
     info = json.loads((run / "run_info.json").read_text())
     assert info["params"] > 0 and (run / "DONE").exists()
+    # the report tells runs of different tokenizers apart by this: the byte tokenizer's own identity
+    assert info["tokenizer_sha256"] == ByteTokenizer().identity["sha256"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000060"
 
 
