@@ -163,14 +163,14 @@ def _seed_list(v, path: Path, key: str) -> list[int]:
     return list(dict.fromkeys(v))
 
 
-def _unknown(d: dict, allowed, path: Path, where: str) -> None:
+def _unknown(d: dict, allowed, path: Path, where: str, none_allowed: str = "none") -> None:
     import difflib
 
     for k in d:
         if k not in allowed:
             close = difflib.get_close_matches(str(k), allowed, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise _bad(path, f"unknown key {where}{k}{hint}; allowed: {', '.join(allowed)}")
+            raise _bad(path, f"unknown key {where}{k}{hint}; allowed: {', '.join(allowed) or none_allowed}")
 
 
 PORT = "an integer port 1-65535"  # also launch.run's --master_port/--ssh_port
@@ -233,7 +233,8 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
         raise _bad(path, "launcher_options must be a mapping")
     options = {k: user_path(v) if k in ("hostfile", "script") and isinstance(v, str) else v
                for k, v in options.items()}
-    _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.")
+    _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.",
+             f"none with launcher {launcher} (ranks per node: nproc)")
     _check_options(options, launcher, path)
     nproc = raw.get("nproc", 1)
     if not is_int(nproc, 1) or nproc > MAX_NPROC:

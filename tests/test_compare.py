@@ -291,6 +291,19 @@ def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_launcher_option_under_launcher_local_says_none_are_allowed(tmp_path, capsys):
+    """Bug caught: `launcher: local` takes no launcher_options, and the line ended in an empty
+    `allowed: ` (a user who copied num_gpus from a deepspeed grid learned nothing from it)."""
+    from mode import compare
+
+    exp = experiment(tmp_path, launcher="local", launcher_options={"num_gpus": 2})
+    assert compare.main([str(exp), "--dry-run"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0] == (f"config error: experiment {exp}: unknown key launcher_options.num_gpus; "
+                                        "allowed: none with launcher local (ranks per node: nproc)"), err
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("match,expect", [
     ({"variants": ["dense", "mdo"]}, "match_flops.variants=['dense', 'mdo']: a list of two or more of the variants"),
     ({"variants": ["dense"]}, "match_flops.variants=['dense']: a list of two or more"),
