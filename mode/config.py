@@ -347,8 +347,9 @@ def looks_local(s: str) -> bool:
 
 
 def _is_hub_name(s: str) -> bool:
-    parts = s.split("/")
-    return len(parts) == 2 and not Path(s).exists() and all(p and not p.startswith(".") for p in parts)
+    parts = s.split("/")  # a hub repo id, `org/name`: letters, digits, - _ . (never a space)
+    return len(parts) == 2 and not Path(s).exists() and all(re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", p)
+                                                            for p in parts)
 
 
 @dataclass

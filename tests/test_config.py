@@ -158,3 +158,19 @@ def test_peak_tflops_must_be_finite_and_non_negative_also_from_python(value):
     with pytest.raises(ConfigError, match=r"^config error: perf.peak_tflops=.*: a finite number >= 0"):
         PerfConfig(peak_tflops=value).validate()
     PerfConfig(peak_tflops=989.0).validate()
+
+
+@pytest.mark.parametrize("override,allowed", [
+    ("data.source=my corpus/trian.txt", "an existing file, directory or glob"),
+    ("data.val_source=my corpus/valid.txt", "an existing file, directory or glob"),
+    ("data.tokenizer=my tok/tokenizer.json", "`byte`, a local directory holding tokenizer.json"),
+])
+def test_a_missing_path_with_a_space_is_a_missing_path_not_a_hub_name(tmp_path, monkeypatch, override, allowed):
+    """Bug caught: `dir name/file` (two parts, like `org/name`) was taken for a hub name, so a typo in a
+    local path with a space was looked up on the hub and refused with huggingface_hub's
+    HFValidationError text; a hub repo id has no spaces."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/tiny/dense.yaml", [override])
+    key, value = override.split("=", 1)
+    assert str(e.value).startswith(f"config error: {key}={value!r}: {allowed}"), str(e.value)
