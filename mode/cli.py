@@ -142,8 +142,10 @@ def _compare(argv) -> int:
 def _data(argv) -> int:
     if not argv or argv[0] != "prepare":
         helps = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: mode data prepare --config F [--force] [dotted.key=value ...]",
-              file=sys.stdout if helps else sys.stderr)
+        usage = "usage: mode data prepare --config F [--force] [dotted.key=value ...]"
+        if argv and not helps:  # name what was typed: `mode data prepar`, or `prepare` left out
+            usage = f"mode data: error: unknown subcommand {argv[0]!r} (one of prepare); {usage}"
+        print(usage, file=sys.stdout if helps else sys.stderr)
         return 0 if helps else 2
     p = _OneLineParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
                                 "memory-mapped shards under data.prepared_dir (training then only reads them).")

@@ -881,6 +881,21 @@ def test_top_level_help_and_unknown_command(capsys):
     assert len(lines) == 1 and lines[0].startswith("mode: error: unknown command 'trian'") and "train" in lines[0]
 
 
+def test_a_mistyped_data_subcommand_is_named(capsys):
+    """Bug caught: `mode data prepar ...` (or `mode data --config ...`, `prepare` left out) printed only
+    the usage line, never saying what was wrong with the command."""
+    from mode.cli import main
+
+    for args, named in ((["data", "prepar", "--config", "x.yaml"], "'prepar'"),
+                        (["data", "--config", "x.yaml"], "'--config'")):
+        assert main(args) == 2
+        lines = one_line(capsys.readouterr().err)
+        assert lines == [f"mode data: error: unknown subcommand {named} (one of prepare); usage: mode data prepare "
+                         "--config F [--force] [dotted.key=value ...]"], lines
+    assert main(["data"]) == 2  # nothing given: the usage alone
+    assert one_line(capsys.readouterr().err) == ["usage: mode data prepare --config F [--force] [dotted.key=value ...]"]
+
+
 def test_generate_with_too_many_new_tokens_is_one_line(tmp_path, monkeypatch, capsys):
     """Bug caught: the error blamed --max-new-tokens with a bound from the first prompt (negative
     for a prompt too long on its own; one the longest prompt then refused again)."""
