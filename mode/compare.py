@@ -788,7 +788,8 @@ def main(argv=None) -> int:
     p.add_argument("--poll", type=float, default=30.0, metavar="SECONDS", help="seconds between polls with --wait")
     p.add_argument("--resubmit", action="store_true",
                    help="launcher slurm: submit again the runs whose job ended without finishing them")
-    p.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="applied to every run")
+    p.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",  # a default: not "required"
+                   help="applied to every run")
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     only = [v for v in a.only or [] if "=" not in v] or None
     extra = [*a.overrides, *[v for v in a.only or [] if "=" in v]]

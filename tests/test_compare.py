@@ -291,6 +291,20 @@ def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_missing_experiment_yaml_is_the_only_argument_named_required(capsys):
+    """Bug caught: `mode compare --dry-run` (the YAML forgotten, or swallowed by `--only dense EXP.yaml`)
+    said `the following arguments are required: EXPERIMENT.yaml, dotted.key=value`, but the
+    overrides are optional."""
+    from mode import compare
+
+    for argv in (["--dry-run"], ["--only", "dense", "configs/experiments/quickstart.yaml"]):
+        with pytest.raises(SystemExit) as e:
+            compare.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == ["mode compare: error: the following arguments are required: EXPERIMENT.yaml"], err
+
+
 def test_a_launcher_option_under_launcher_local_says_none_are_allowed(tmp_path, capsys):
     """Bug caught: `launcher: local` takes no launcher_options, and the line ended in an empty
     `allowed: ` (a user who copied num_gpus from a deepspeed grid learned nothing from it)."""
