@@ -129,7 +129,7 @@ def cpu_peak_tflops(measured: float, cache: Path | None) -> tuple[float, str]:
             os.replace(tmp, cache)  # atomic: a reader sees the old or the new file
         except OSError:
             pass  # a read-only environment: this run's measurement is still used
-    src = f"measured fp32 matmul ({threads} threads)"
+    src = f"measured fp32 matmul ({threads} thread{'' if threads == 1 else 's'})"
     if best > measured:
         src += f", best on this machine ({measured:.3g} this run)"
     return best, src
