@@ -201,7 +201,9 @@ def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
     # the *_vs_tokens / *_vs_mflops series carry tokens or MFLOPs as their step, not the training step
     steps = [pts[-1].step for tag, pts in run.scalars.items() if pts and not tag.endswith(("_vs_tokens", "_vs_mflops"))]
     out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
-           "last_step": max(steps) if steps else None, "config_diff": run.config_diff, "eval_step": eval_step}
+           "last_step": max(steps) if steps else None, "config_diff": run.config_diff,
+           "eval_step": max((p.step for p in run.scalars.get("eval/loss", []) if eval_step is None or p.step <= eval_step),
+                            default=None)}  # the evaluation read
     for m in METRICS:
         v = m.reduce(run, eval_step) if m.at_eval_step else m.reduce(run)
         # a logged NaN (a diverged seed) stays NaN: read as "not logged", the seed left the variant's mean
@@ -240,7 +242,11 @@ def variant_table(runs: list[RunLog]) -> dict[str, dict]:
         ends = [s for s in (r.last_step("eval/loss") for r in vruns) if s is not None]
         eval_step = min(ends) if ends else None
         summaries = [run_summary(r, eval_step) for r in vruns]
+        # seeds with another train.eval_every may have no evaluation at eval_step: each is read at its
+        # last one before it, and the table says so (a range) instead of passing it off as eval_step's
+        read = sorted({s["eval_step"] for s in summaries if s["eval_step"] is not None})
         row: dict = {"seeds": [r.seed for r in vruns], "eval_step": eval_step, "runs": summaries,
+                     "eval_steps_read": read,
                      "causal_lifts_capacity": any(causal_lifts_capacity(r) for r in vruns)}
         for m in METRICS:
             row[m.key] = aggregate([s[m.key] for s in summaries])
@@ -254,7 +260,9 @@ def table_markdown(table: dict[str, dict]) -> str:
     head = ["variant", "seeds", "eval step"] + [m.label for m in metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
-        cells = [f"`{variant}`", str(len(row["seeds"])), "—" if row["eval_step"] is None else str(row["eval_step"])]
+        read = row["eval_steps_read"]
+        cells = [f"`{variant}`", str(len(row["seeds"])), "—" if row["eval_step"] is None
+                 else str(row["eval_step"]) if len(read) < 2 else f"{read[0]}–{read[-1]}"]
         # a cell over fewer seeds than the variant has (a seed not evaluated yet) says how many
         cells += ["—" if row[m.key] is None else row[m.key].format(m.fmt, m.constant)
                   + (f" (n={row[m.key].n})" if row[m.key].n < len(row["seeds"]) else "")
@@ -606,7 +614,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
         lines.append("")
     lines += ["## Summary per variant (mean ± sample std over seeds, n − 1)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
-              "stopped early is not averaged with the others' later losses; a seed's nan, a diverged run, makes the "
+              "stopped early is not averaged with the others' later losses; a range: seeds evaluated at different steps (another `train.eval_every`), each read at its last evaluation up to the range's end; a seed's nan, a diverged run, makes the "
               "variant's nan; `(n=k)`: only k of the seeds have the value, e.g. one not evaluated yet); tokens/s and step time are "
               "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, of the learned threshold (`causal=threshold`), "

@@ -1077,3 +1077,28 @@ def test_runs_of_different_tokenizers_or_evaluation_text_are_named_in_the_report
     _write_run(solo / "a_seed1", "a", 1, 2.1)
     report.analyze(solo, tmp_path / "out2")
     assert "**Different" not in (tmp_path / "out2" / "report.md").read_text()
+
+
+def test_seeds_evaluated_at_different_steps_show_the_steps_read(tmp_path):
+    """Bug caught: a seed with another train.eval_every had no evaluation at the variant's eval step
+    (20) and was read at its last one before it (15), while the table said `20`: a mean of losses
+    at two steps passed off as one step's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    evals = ({10: 3.0, 20: 2.5}, {15: 2.9, 30: 2.2})  # seed 0 stopped at 20; seed 1 evaluates every 15
+    for seed, pts in enumerate(evals):
+        d = root / f"dense_seed{seed}"
+        _write_run(d, "dense", seed, 9.9)
+        shutil.rmtree(d / "tb")
+        w = SummaryWriter(str(d / "tb"))
+        for step, v in pts.items():
+            w.add_scalar("eval/loss", v, step)
+        w.close()
+    report.analyze(root, tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())["dense"]
+    assert summary["eval_step"] == 20 and [r["eval_step"] for r in summary["runs"]] == [20, 15]
+    assert summary["eval_loss"]["mean"] == pytest.approx((2.5 + 2.9) / 2, rel=1e-6)
+    row = next(line for line in (tmp_path / "out" / "report.md").read_text().splitlines()
+               if line.startswith("| `dense` |"))
+    assert row.startswith("| `dense` | 2 | 15–20 |"), row
