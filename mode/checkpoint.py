@@ -274,7 +274,9 @@ def nonfinite_state(engine) -> list[str]:
     for p, st in getattr(inner, "state", {}).items():
         tensors += [(f"{names.get(p, 'optimizer')}:{k}", v) for k, v in st.items()
                     if torch.is_tensor(v) and v.is_floating_point()]
-    for i, g in enumerate(getattr(opt, "single_partition_of_fp32_groups", []) or []):  # ZeRO master weights
+    masters = (getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO master weights
+               or getattr(opt, "fp32_groups_flat_partition", None) or [])  # bf16 ZeRO 1's (BF16_Optimizer)
+    for i, g in enumerate(masters):
         if torch.is_tensor(g):
             tensors.append((f"fp32 master partition {i}", g))
     if not tensors:

@@ -468,7 +468,7 @@ class DeepSpeedConfig:
     zero_stage: int = 0
     """ZeRO stage 0, 1 or 2 (3 is refused: DeepSpeed MoE does not support it)."""
     precision: str = "fp32"
-    """`fp32` or `bf16` (bf16 weights/activations, fp32 master weights, optimizer states and routing; on CPUs without bf16 units the GEMMs run in fp32)."""
+    """`fp32` or `bf16` (bf16 weights/activations, fp32 master weights, optimizer states and routing; gradients summed over micro-steps and ranks in fp32 at ZeRO 1/2, in bf16 at ZeRO 0; on CPUs without bf16 units the GEMMs run in fp32)."""
 
     def validate(self) -> None:
         _check(self.zero_stage in (0, 1, 2), "deepspeed.zero_stage", self.zero_stage,

@@ -56,14 +56,14 @@ def test_the_predictor_loss_weight_changes_no_lm_update(tmp_path):
         assert pa[8] != pb[8]  # the weight does train the predictor
 
 
-def _predictor_step_at_zero1(rank):
+def _predictor_step_at_zero1(precision, rank):
     import torch
 
     from mode import engine as eng
     from mode.config import load_config
     from mode.model import build_model
 
-    cfg = load_config("configs/tiny/mod.yaml", [*TINY, "deepspeed.zero_stage=1"])
+    cfg = load_config("configs/tiny/mod.yaml", [*TINY, "deepspeed.zero_stage=1", f"deepspeed.precision={precision}"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
     engine, _, _ = eng.build_engine(cfg, model, 2)
@@ -79,10 +79,14 @@ def _predictor_step_at_zero1(rank):
 
 
 @pytest.mark.slow
-def test_the_predictors_are_averaged_across_ranks_at_zero_1():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_predictors_are_averaged_across_ranks_at_zero_1(precision):
     """Bug caught: ZeRO 1/2 reduce only the gradients of their own partitions, so predictors outside
     DeepSpeed's optimizer trained on each rank's half of the batch and drifted apart. Both ranks'
-    predictors equal one PredictorAdamW step on the ranks' mean gradient."""
+    predictors equal one PredictorAdamW step on the ranks' mean gradient. bf16: DeepSpeed's
+    BF16_Optimizer (fp32 accumulation) reduces only its own groups too; the predictors stay fp32."""
+    import functools
+
     import torch
 
     from mode import engine as eng
@@ -90,12 +94,14 @@ def test_the_predictors_are_averaged_across_ranks_at_zero_1():
     from mode.model import build_model
     from tests.test_moe_train import on_two_ranks
 
-    (_, g0, w0), (_, g1, w1) = on_two_ranks(_predictor_step_at_zero1)
+    (_, g0, w0), (_, g1, w1) = on_two_ranks(functools.partial(_predictor_step_at_zero1, precision))
     assert g0 != g1 and w0 == w1  # other batches, one set of predictors
     cfg = load_config("configs/tiny/mod.yaml", [*TINY, "deepspeed.zero_stage=1"])
     torch.manual_seed(0)
     opt = eng.PredictorAdamW(cfg, build_model(cfg.model))  # no process group here: nothing to reduce
     for p, a, b in zip(opt.params, g0, g1):
+        if precision == "bf16":  # DeepSpeed cast them to bf16 before PredictorAdamW made them fp32 again
+            p.data = p.data.bfloat16().float()
         p.grad = (torch.tensor(a) + torch.tensor(b)) / 2
     opt.step(lr=1e-2)
     for p, w in zip(opt.params, w0):

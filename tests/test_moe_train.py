@@ -114,7 +114,7 @@ def on_two_ranks(body) -> list:
     return sorted(q.get(timeout=120) for _ in range(2))
 
 
-def _bf16_expert_clip(rank):
+def _bf16_expert_clip(zero, rank):
     import torch
     import torch.distributed as dist
 
@@ -122,7 +122,7 @@ def _bf16_expert_clip(rank):
     from mode.config import load_config
     from mode.model import build_model
 
-    cfg = load_config(CFG, [*MOE, "model.moe.ep_size=2", "deepspeed.precision=bf16", "deepspeed.zero_stage=0",
+    cfg = load_config(CFG, [*MOE, "model.moe.ep_size=2", "deepspeed.precision=bf16", f"deepspeed.zero_stage={zero}",
                             "optim.grad_clip=0.01", "optim.warmup_steps=1"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -142,14 +142,18 @@ def _bf16_expert_clip(rank):
 
 
 @pytest.mark.slow
-def test_bf16_stage0_clips_expert_parallel_ranks_by_one_global_norm():
+@pytest.mark.parametrize("zero,wrapper", [(0, "FP16_UnfusedOptimizer"), (1, "BF16_Optimizer")])
+def test_bf16_clips_expert_parallel_ranks_by_one_global_norm(zero, wrapper):
     """bf16 at ZeRO 0: DeepSpeed wraps GuardedAdamW (FP16_UnfusedOptimizer) and hands it fp32 copies
     of the params. Bug caught: the copies lost the experts' `allreduce=False` mark, every param
     looked shared, each rank clipped by a norm over its own experts only, and the replicated
     weights differed across ranks after the first clipped step. Both ranks must report one global
-    norm and hold identical shared weights."""
-    res = on_two_ranks(_bf16_expert_clip)
-    assert res[0][1] == "FP16_UnfusedOptimizer"  # the wrapped path this test is about
+    norm and hold identical shared weights. At ZeRO 1 (fp32 gradient accumulation) DeepSpeed's
+    BF16_Optimizer clips, by its norm over its expert groups: the same must hold."""
+    import functools
+
+    res = on_two_ranks(functools.partial(_bf16_expert_clip, zero))
+    assert res[0][1] == wrapper  # the wrapped path this test is about
     assert res[0][2] == res[1][2] and all(n > 0.01 for n in res[0][2]), res  # one global norm; clipping applies
     assert res[0][3] and res[1][3], res
 

@@ -92,6 +92,25 @@ def test_resume_is_exact_at_zero_stage_1(tmp_path, straight):
 
 
 @pytest.mark.slow
+def test_resume_is_exact_in_bf16_at_zero_stage_1_two_processes(tmp_path, straight):
+    """The cluster presets' setting: bf16 at ZeRO 1 accumulates in fp32 (DeepSpeed's BF16_Optimizer,
+    which keeps its own fp32 master partitions and gradient buffers); a run stopped at step 6 and
+    resumed on 2 ranks must log what the straight run logs, bit for bit, the grad norm included."""
+    def bf16(*overrides):
+        return two_processes("deepspeed.precision=bf16", "deepspeed.zero_stage=1",
+                             f"data.prepared_dir={straight / 'prepared_two'}", *overrides)
+
+    bf16(f"run.dir={tmp_path / 'straight'}")
+    bf16("train.stop_at=6", f"run.dir={tmp_path / 'resumed'}")
+    assert not (tmp_path / "resumed" / "DONE").exists()
+    bf16(f"run.dir={tmp_path / 'resumed'}")
+    for tag in ("train/loss", "train/grad_norm", "eval/loss"):
+        a, b = scalars(tmp_path / "straight", tag), scalars(tmp_path / "resumed", tag)
+        assert a and a == b, (tag, a, b)  # bit for bit
+    assert list(scalars(tmp_path / "resumed", "train/loss")) == list(range(1, 13))
+
+
+@pytest.mark.slow
 def test_resume_is_exact_when_training_draws_random_numbers(tmp_path):
     """Bug caught: on CPU the peak for MFU was measured (torch.randn) after the resume had restored
     the RNG states, so with router jitter every step after the resume differed from the straight run."""
