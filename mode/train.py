@@ -612,6 +612,10 @@ def _main(argv) -> int:
             again = console.continue_command(a.config, a.overrides, asked_fresh)
             print(f"stopped at step {trainer.step} of {end} (train.stop_at={cfg.train.stop_at}); the run resumes "
                   f"from its checkpoint with: {again}", flush=True)
+        # Left to interpreter exit, gloo's threads abort the process now and then (SIGABRT after a
+        # finished run). Only on success: a rank that failed may leave others inside a collective.
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
