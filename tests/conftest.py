@@ -31,7 +31,8 @@ def pytest_configure(config):
 # few-test heavy files came last and one worker ran them alone. Stale values only cost balance.
 FILE_SECONDS = {"test_cluster.py": 275, "test_train.py": 230, "test_moe_train.py": 222, "test_reliability.py": 209,
                 "test_launch.py": 198, "test_faults.py": 183, "test_data.py": 159, "test_compare.py": 150,
-                "test_logging.py": 140, "test_bf16.py": 87, "test_harness.py": 76, "test_sampling.py": 68}
+                "test_logging.py": 140, "test_mod_variants.py": 250, "test_bf16.py": 87, "test_harness.py": 76,
+                "test_sampling.py": 68}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -323,3 +323,59 @@ def test_variant_metrics_reach_tensorboard(tmp_path):
     assert scalars(run, "mod_attn/layer1/processed_frac")[4] == pytest.approx(0.75)
     assert scalars(run, "mod_mlp/layer1/processed_frac")[4] == pytest.approx(0.25)
     assert 4 in scalars(run, "eval/loss_causal")
+
+
+def _grid_variants():
+    """The routed variants of configs/experiments/mod_variants.yaml (config, overrides) and the MoDE presets."""
+    import yaml
+
+    grid = yaml.safe_load((ROOT / "configs/experiments/mod_variants.yaml").read_text())["variants"]
+    out = {name: ((ROOT / "configs/experiments" / v["config"]).resolve(), v.get("overrides", []))
+           for name, v in grid.items() if name != "dense"}  # dense: tests/test_train.py
+    return {**out, **{p: (ROOT / f"configs/tiny/{p}.yaml", []) for p in ("mode_staged", "mode_integrated")}}
+
+
+# 8 steps of 2 micro-batches, checkpoints every 2, evaluations at 3 and 6 (one on each side of the cut at 4).
+RESUME = [*TINY, "train.max_steps=8", "train.log_every=1", "train.eval_every=3", "checkpoint.every=2",
+          "optim.warmup_steps=2", "train.micro_batch_size=2", "train.grad_accum=2"]
+
+
+def _resumed_equals_straight(tmp_path, launch):
+    from tests.util import side_by_side
+    from mode import checkpoint as ckpt
+
+    side_by_side(lambda: launch(f"run.dir={tmp_path / 'straight'}"),
+                 lambda: launch("train.stop_at=4", f"run.dir={tmp_path / 'resumed'}"))
+    launch(f"run.dir={tmp_path / 'resumed'}")
+    for tag in ("train/loss", "train/aux_loss", "train/grad_norm", "eval/loss", "eval/loss_causal"):
+        a, b = scalars(tmp_path / "straight", tag), scalars(tmp_path / "resumed", tag)
+        assert a and a == b, (tag, a, b)  # bit for bit
+    assert list(scalars(tmp_path / "straight", "eval/loss")) == [0, 3, 6, 8]
+    a, b = (torch.load(ckpt.step_dir(ckpt.checkpoints_dir(tmp_path / r), 8) / ckpt.MODEL, weights_only=True)
+            for r in ("straight", "resumed"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", _grid_variants())
+def test_resume_is_exact_for_every_routing_variant(tmp_path, variant):
+    """N steps == N/2, resume, N/2 for every variant the grid compares (and the MoDE presets): the
+    logged losses, the evaluations on both sides of the cut and the final weights (routers,
+    predictors, experts), bit for bit, with gradient accumulation. tests/test_train.py checks dense."""
+    config, over = _grid_variants()[variant]
+    prepared = tmp_path / "prepared"
+    _resumed_equals_straight(tmp_path, lambda *o: mode_cli("train", "--config", config, *RESUME, *over,
+                                                          f"data.prepared_dir={prepared}", *o, threads=1))
+
+
+@pytest.mark.slow
+def test_resume_is_exact_for_stochastic_threshold_routing_on_two_ranks(tmp_path):
+    """Two ranks over gloo through the DeepSpeed launcher: stochastic routing draws from each rank's
+    own RNG, and the calibrated thresholds are averaged across ranks every step; K/V-from-all and a
+    per-layer schedule on top. The resumed run restores both ranks' states exactly."""
+    from tests.util import deepspeed_train
+
+    over = ["model.n_layers=4", "model.mod.routing=stochastic", "model.mod.causal=threshold", "model.mod.kv=all",
+            "model.mod.capacity=[0.5, 0.25]", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    _resumed_equals_straight(tmp_path, lambda *o: deepspeed_train(2, "configs/tiny/mod.yaml", *RESUME, *over, *o))
