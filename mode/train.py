@@ -174,9 +174,13 @@ def check_world(cfg: Config, world: int) -> None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its run_info.json is damaged (not a JSON object); "
                           "delete it (the next start writes it again) and start again") from None
     if saved != world:
-        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
-                          f"has world size {world}: resume it with {saved} process(es), or start over with "
-                          "run.fresh=true or another run.dir")
+        raise other_world(cfg, saved, world)
+
+
+def other_world(cfg: Config, saved: int, world: int) -> ConfigError:
+    return ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
+                       f"has world size {world}: resume it with {saved} process(es), or start over with "
+                       "run.fresh=true or another run.dir")
 
 
 def requeued_fresh_start(cfg: Config, env=None) -> bool:
@@ -354,6 +358,10 @@ class Trainer:
             warnings.warn(f"resuming {last} at model.moe.ep_size={self.cfg.model.moe.ep_size} (saved at {old_ep}): "
                           "weights are loaded, the optimizer state restarts, the LR schedule goes on")
         client = ckpt.load(self.engine, last, self.rank, load_optimizer=same_layout)
+        # check_world reads run_info.json, which a user may have deleted (its damage message says
+        # to): the checkpoint's own record of its world size decides (every rank raises alike)
+        if client.get("world_size", self.world) != self.world:
+            raise other_world(self.cfg, client["world_size"], self.world)
         self.step, self.tokens = client["step"], client["tokens"]
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again

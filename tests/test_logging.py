@@ -489,6 +489,22 @@ def test_resuming_at_another_world_size_is_refused(tmp_path, stopped_at_2):
     assert json.loads((run / "run_info.json").read_text())["world_size"] == 1
 
 
+@pytest.mark.slow
+def test_resuming_at_another_world_size_is_refused_without_run_info(tmp_path, stopped_at_2):
+    """Bug caught: only run_info.json said the world size a run was saved at, and a damaged one is
+    refused with `delete it (the next start writes it again)`; once deleted, two ranks resumed the
+    one-rank checkpoint without a word (rank 0 found its RNG state, rank 1 only warned). The
+    checkpoint's own record (its client state's world_size) refuses it."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    (run / "run_info.json").unlink()
+    r = deepspeed_train(2, CFG, *TINY, *STEPS, f"run.dir={run}", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "resumed from" not in out, out[-3000:]
+    assert out.count("config error: run.dir=") == 1 and "saved at world size 1 and this launch has world size 2" in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    assert not (run / "run_info.json").exists()  # nothing of a started run written
+
+
 # ----------------------------------------------------------------------------------------------
 # Weights & Biases, offline.
 
