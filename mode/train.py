@@ -362,6 +362,15 @@ class Trainer:
         # to): the checkpoint's own record of its world size decides (every rank raises alike)
         if client.get("world_size", self.world) != self.world:
             raise other_world(self.cfg, client["world_size"], self.world)
+        # ... and of its config: config.yaml may have been written back by hand (same shapes load
+        # silently). The schedule keys are check_run_dir's (a changed schedule's first checkpoint may
+        # not be written yet). Checkpoints from before this record have none.
+        diff = [d for d in config_diff(client.get("config") or self.cfg.to_dict(), self.cfg.to_dict())
+                if d.split(":")[0] not in SCHEDULE_KEYS]
+        if diff:
+            raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained with a "
+                              f"different config ({'; '.join(diff)}); start it with that config, or start over with "
+                              "run.fresh=true or another run.dir")
         self.step, self.tokens = client["step"], client["tokens"]
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again
@@ -380,7 +389,8 @@ class Trainer:
     def save(self, pending_s: float = 0.0) -> None:
         """`pending_s`: training time since the last log, not yet in elapsed_s (a resume must count it)."""
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
-                 "world_size": self.world, "lr_steps": self.sched.last_epoch}  # skipped steps do not count
+                 "world_size": self.world, "lr_steps": self.sched.last_epoch,  # skipped steps do not count
+                 "config": self.cfg.to_dict()}
         if self.pred_opt:
             state["predictor_optim"] = self.pred_opt.state_dict()
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,

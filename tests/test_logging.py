@@ -505,6 +505,26 @@ def test_resuming_at_another_world_size_is_refused_without_run_info(tmp_path, st
     assert not (run / "run_info.json").exists()  # nothing of a started run written
 
 
+@pytest.mark.slow
+def test_a_checkpoint_trained_under_another_config_is_refused(tmp_path, stopped_at_2):
+    """Bug caught: only config.yaml said what config a run's checkpoints were trained with; one
+    written back by hand (as the refusal of a run without it asks: `write back the config it was
+    started with`) with another value, here optim.weight_decay, and started with that value resumed
+    the checkpoint silently (same shapes: nothing failed to load). Each checkpoint records its config."""
+    from mode.config import dump_config, load_config
+
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    other = [*TINY, *STEPS, "optim.weight_decay=0.5", f"run.dir={run}"]
+    assert load_config(CFG, [*TINY, *STEPS]).optim.weight_decay != 0.5
+    (run / "config.yaml").write_text(dump_config(load_config(CFG, other)))
+    before = snapshot(run)
+    r = mode_cli("train", "--config", CFG, *other, check=False)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
+    assert r.returncode == 2 and "resumed from" not in r.stderr and len(lines) == 1, r.stderr[-3000:]
+    assert "step_00000002 was trained with a different config" in lines[0] and "optim.weight_decay" in lines[0]
+    assert {k: v for k, v in snapshot(run).items() if k != "LOCK"} == {k: v for k, v in before.items() if k != "LOCK"}
+
+
 # ----------------------------------------------------------------------------------------------
 # Weights & Biases, offline.
 
