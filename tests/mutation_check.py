@@ -396,6 +396,24 @@ MUTANTS = [
     # Session 16: a report audit on a real 2-seed grid
     ("runs whose MFU divides by different peaks are not named", "analysis/report.py",
      "    if len(peaks) > 1:  # each run's MFU", "    if False:  # each run's MFU", ["tests/test_analysis.py"]),
+    # Session 18: a report audit, run.name, a finished rank's exit
+    ("a diverged seed (nan eval loss) left out of its variant's mean", "analysis/report.py",
+     "        out[m.key] = None if v is None else float(v)",
+     "        out[m.key] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)",
+     ["tests/test_analysis.py"]),
+    ("a run far from every named budget put under the nearest", "analysis/isoflop.py",
+     "label = [b if abs(math.log(v / b)) <= math.log(1 + rtol) else None for v, b in zip(values, near)]",
+     "label = list(near)", ["tests/test_analysis.py"]),
+    ("a '/' in run.name accepted (the report's figure path breaks)", "mode/config.py",
+     "_check(not self.name or bool(NAME_RE.fullmatch(self.name)),", "_check(True,", CKPT),
+    ("runs of different tokenizers tabled side by side without a word", "analysis/report.py",
+     "    lines += data_mismatch_lines(runs, runs_dir)\n", "    lines += []\n", ["tests/test_analysis.py"]),
+    ("seeds evaluated at different steps shown under one eval step", "analysis/report.py",
+     'else str(row["eval_step"]) if len(read) < 2 else f"{read[0]}–{read[-1]}"]', 'else str(row["eval_step"])]',
+     ["tests/test_analysis.py"]),
+    ("a finished rank leaves its process group to interpreter exit", "mode/train.py",
+     "        if dist.is_initialized():\n            dist.destroy_process_group()\n", "        pass\n",
+     ["tests/test_faults.py"]),
 ]
 
 
