@@ -173,10 +173,11 @@ EVAL_TEXT_KEYS = tuple(f"data.{k}" for k in KEY_FIELDS if k not in ("tokenizer",
 def data_mismatch_lines(runs: list[RunLog], runs_dir: Path) -> list[str]:
     """Report paragraphs when the runs' eval numbers are not on one scale: different tokenizers
     (nats per token measure different units: only bits/byte compares) or different eval text."""
-    def tokenizer(r: RunLog) -> str:  # its sha256 (run_info.json) where every run has one, else its config
+    by_sha = all("tokenizer_sha256" in r.info for r in runs)  # run_info.json's, else the config's names
+
+    def tokenizer(r: RunLog) -> str:
         c = flatten(r.config)
-        return str(r.info["tokenizer_sha256"] if all("tokenizer_sha256" in x.info for x in runs)
-                   else (c.get("data.tokenizer"), c.get("data.eos_token")))
+        return str(r.info["tokenizer_sha256"] if by_sha else (c.get("data.tokenizer"), c.get("data.eos_token")))
 
     lines = []
     for what, key, why in (
@@ -200,10 +201,10 @@ def run_summary(run: RunLog, eval_step: int | None = None) -> dict:
     `eval_step` (the last evaluation at or before it; None: the last)."""
     # the *_vs_tokens / *_vs_mflops series carry tokens or MFLOPs as their step, not the training step
     steps = [pts[-1].step for tag, pts in run.scalars.items() if pts and not tag.endswith(("_vs_tokens", "_vs_mflops"))]
+    read = run.point_at("eval/loss", eval_step)  # the evaluation read
     out = {"run": run.name, "path": str(run.path), "variant": run.variant, "seed": run.seed, "done": run.done,
            "last_step": max(steps) if steps else None, "config_diff": run.config_diff,
-           "eval_step": max((p.step for p in run.scalars.get("eval/loss", []) if eval_step is None or p.step <= eval_step),
-                            default=None)}  # the evaluation read
+           "eval_step": read.step if read else None}
     for m in METRICS:
         v = m.reduce(run, eval_step) if m.at_eval_step else m.reduce(run)
         # a logged NaN (a diverged seed) stays NaN: read as "not logged", the seed left the variant's mean

@@ -93,10 +93,15 @@ class RunLog:
         pts = self.scalars.get(tag)
         return pts[-1].value if pts else None
 
+    def point_at(self, tag: str, step: int | None):
+        """The point at the highest logged step <= `step` (the last one for None), or None."""
+        pts = [p for p in self.scalars.get(tag, []) if step is None or p.step <= step]
+        return pts[-1] if pts else None
+
     def at(self, tag: str, step: int | None) -> float | None:
         """Value at the highest logged step <= `step` (the last one for None), or None."""
-        pts = [p for p in self.scalars.get(tag, []) if step is None or p.step <= step]
-        return pts[-1].value if pts else None
+        p = self.point_at(tag, step)
+        return p.value if p else None
 
     def last_step(self, tag: str) -> int | None:
         pts = self.scalars.get(tag)

@@ -878,8 +878,6 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
     return out
 
 
-
-
 def progress_bar(desc: str):
     """A tqdm bar on a terminal; in a log file (every cluster job) its carriage-return redraws
     would be all the log holds, so there one plain line a minute and one at the end."""
