@@ -421,6 +421,14 @@ def _encode(texts: list[str]):
     return flat, lens, hashes, np.array([len(r) for r in raw], dtype=np.int64)
 
 
+def _encode_to_file(texts: list[str], path: str) -> str:
+    """_encode with the arrays left in a file: a worker killed while it sends a large result leaves half a
+    message in the result pipe, and ProcessPoolExecutor then waits for the rest forever (seen here: 1 in
+    ~25 kills); a short path is one atomic pipe write."""
+    np.savez(path, *_encode(texts))
+    return path
+
+
 def _batches(docs, max_chars: int = 1 << 20, max_docs: int = 4096):
     """(batch of non-empty documents, documents read from the source so far, empty ones included)."""
     batch, size, read = [], 0, 0
@@ -451,32 +459,37 @@ def encoder(tok, workers: int):
             os.environ.pop("TOKENIZERS_PARALLELISM") if old is None else os.environ.update(TOKENIZERS_PARALLELISM=old)
         return
     import multiprocessing as mp
+    import tempfile
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    def result(fut):
-        try:
-            return fut.result()
-        except BrokenProcessPool:
-            raise RuntimeError("a tokenizer worker process died (killed, out of memory: see `dmesg`, or, from "
-                               "your own script, one without `if __name__ == \"__main__\":`, which each spawned "
-                               "worker runs again); run the prepare again to resume after its last complete "
-                               "shard, or lower data.num_workers") from None
+    def load(path: str):
+        with np.load(path) as z:
+            out = tuple(z[f"arr_{i}"] for i in range(len(z.files)))
+        os.unlink(path)
+        return out
 
     # Not multiprocessing.Pool: a worker that dies there loses its task and the prepare waits for it
-    # forever; here the pool breaks and the next result says so.
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                             initargs=(tok.spec(),)) as pool:
+    # forever; here the pool breaks and the next result or submit says so.
+    with tempfile.TemporaryDirectory(prefix="mode-prepare-") as tmp, \
+            ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                initargs=(tok.spec(),)) as pool:
         def run(docs):
             pending = deque()
-            for b, read in _batches(docs):
-                pending.append((pool.submit(_encode, b), read))
-                if len(pending) >= 2 * workers:
+            try:
+                for n, (b, read) in enumerate(_batches(docs)):
+                    pending.append((pool.submit(_encode_to_file, b, os.path.join(tmp, f"{n}.npz")), read))
+                    if len(pending) >= 2 * workers:
+                        r, read = pending.popleft()
+                        yield load(r.result()), read
+                while pending:
                     r, read = pending.popleft()
-                    yield result(r), read
-            while pending:
-                r, read = pending.popleft()
-                yield result(r), read
+                    yield load(r.result()), read
+            except BrokenProcessPool:
+                raise RuntimeError("a tokenizer worker process died (killed, out of memory: see `dmesg`, or, from "
+                                   "your own script, one without `if __name__ == \"__main__\":`, which each "
+                                   "spawned worker runs again); run the prepare again to resume after its last "
+                                   "complete shard, or lower data.num_workers") from None
 
         yield run
 

@@ -1254,37 +1254,85 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
     assert scalars(tmp_path / "run", "train/loss")
 
 
-@pytest.mark.slow
-def test_a_tokenizer_worker_that_dies_ends_the_prepare_in_one_line():
-    """Bug caught: with multiprocessing.Pool a worker that died (killed, out of memory) lost its task
-    and the prepare waited for it forever, holding the prepare lock every later start waits on
-    (seen: trainers stuck for an hour). The pool now breaks and the prepare stops in one line."""
-    import signal
-    import threading
+# Kills one of two tokenizer workers at the worst moment it can catch: inside a write (the old result
+# pipe carried ~8 MB per batch, so a kill there left half a message); within 5 s of the first result
+# it kills one anyway. Prints what happened as JSON.
+_KILL_A_WORKER = r"""
+import json, os, signal, sys, threading, time
+from pathlib import Path
+import mode.prepare as prep
 
-    def workers() -> list[int]:
-        kids = []
-        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+def workers():
+    kids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
             kids += [int(c) for c in (task / "children").read_text().split()]
-        return [k for k in kids if b"multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes()
-                and b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+        except OSError:
+            pass
+    out = []
+    for k in kids:
+        try:
+            cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(k)
+    return out
 
-    out: dict = {}
+def in_write(pid):
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "1"  # x86-64 write
+    except (OSError, IndexError):
+        return False
 
+if __name__ == "__main__":
+    out = {}
     def consume(it):
         try:
             for _ in it:
                 pass
         except RuntimeError as e:
             out["error"] = str(e)
-
-    docs = (f"document {i} " * 400 for i in range(200_000))  # a few hundred batches
+    docs = (f"document {i} " * 400 for i in range(100_000))  # a few hundred batches
     with prep.encoder(prep.ByteTokenizer(), 2) as run:
         it = run(docs)
         next(it)  # both workers up and busy
-        os.kill(workers()[0], signal.SIGKILL)
         t = threading.Thread(target=consume, args=(it,), daemon=True)
         t.start()
-        t.join(120)
-        assert not t.is_alive(), "the prepare waits for the dead worker's batch forever"
-    assert "tokenizer worker process died" in out.get("error", ""), out
+        t0 = time.time()
+        while t.is_alive() and "killed" not in out:
+            for p in workers():
+                if in_write(p) or time.time() - t0 > 5:
+                    os.kill(p, signal.SIGKILL)
+                    out["killed"] = "in a write" if in_write(p) else "anywhere"
+                    break
+        t.join()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_tokenizer_worker_that_dies_ends_the_prepare_in_one_line(tmp_path):
+    """Bugs caught: with multiprocessing.Pool a worker that died (killed, out of memory) lost its task
+    and the prepare waited for it forever, holding the prepare lock every later start waits on (seen:
+    trainers stuck for an hour). With ProcessPoolExecutor, a worker killed while it sent its batch's
+    tokens left half a message in the result pipe and the pool waited for the rest forever (1 in 26
+    kills at random, every kill inside a write), and a kill seen first by `submit` raised CPython's
+    raw "A child process terminated abruptly" (5 in 26). Now the prepare stops in one line, and the
+    workers' scratch files are gone."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    p = subprocess.Popen([PY, "-c", _KILL_A_WORKER], cwd=ROOT, env={**env(), "TMPDIR": str(scratch)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=150)  # ~15 s when it works
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError("the prepare waits for the dead worker's batch forever") from None
+    assert p.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.splitlines()[-1])
+    assert "killed" in out, out
+    assert out.get("error", "").startswith("a tokenizer worker process died ("), out
+    assert "\n" not in out["error"], out
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
