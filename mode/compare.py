@@ -505,7 +505,8 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) ->
                 # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
                 preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare)
             except ConfigError as e:
-                text = str(e).removeprefix("config error: ")
+                # a grid's runs live under runs_dir, so the way out of a run.dir clash is another --runs-dir
+                text = str(e).removeprefix("config error: ").replace("another run.dir", "another --runs-dir")
                 raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
             r.status, r.resume_step = status(r)
         if not prepare:
@@ -777,7 +778,7 @@ def main(argv=None) -> int:
 
     p = OneLineParser(prog="mode compare", description="Run an experiment grid, then write its report.",
                       epilog="Invoking it again skips finished runs and resumes interrupted ones.")
-    p.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    p.add_argument("experiment", metavar="EXPERIMENT.yaml", nargs="?")  # required: checked below
     p.add_argument("--dry-run", action="store_true", help="validate every run and print the plan; start nothing")
     p.add_argument("--only", nargs="+", metavar="VARIANT", default=None, help="run only these variants")
     p.add_argument("--runs-dir", default=None, help="override the experiment's runs_dir (e.g. a longer rerun)")
@@ -791,7 +792,13 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",  # a default: not "required"
                    help="applied to every run")
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the options
-    only = [v for v in a.only or [] if "=" not in v] or None
+    # `--only dense mod EXP.yaml k=v`: nargs="+" takes everything after --only; give back what is not a variant
+    yaml = [v for v in a.only or [] if v.endswith((".yaml", ".yml"))]
+    if a.experiment is None and len(yaml) == 1:
+        a.experiment = yaml[0]
+    elif a.experiment is None:
+        p.error("the following arguments are required: EXPERIMENT.yaml")
+    only = [v for v in a.only or [] if "=" not in v and v != a.experiment] or None
     extra = [*a.overrides, *[v for v in a.only or [] if "=" in v]]
 
     def log(msg: str) -> None:

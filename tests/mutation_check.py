@@ -414,6 +414,10 @@ MUTANTS = [
     ("a finished rank leaves its process group to interpreter exit", "mode/train.py",
      "        if dist.is_initialized():\n            dist.destroy_process_group()\n", "        pass\n",
      ["tests/test_faults.py"]),
+    ("`--only mod EXP.yaml`: the YAML taken as a variant", "mode/compare.py",
+     "    if a.experiment is None and len(yaml) == 1:\n", "    if False:\n", ["tests/test_compare.py"]),
+    ("a grid's run.dir clash says 'another run.dir' (compare sets it)", "mode/compare.py",
+     '.replace("another run.dir", "another --runs-dir")', "", ["tests/test_compare.py"]),
 ]
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -292,17 +293,46 @@ def test_a_bad_launcher_option_is_one_config_error_before_anything_runs(tmp_path
 
 
 def test_a_missing_experiment_yaml_is_the_only_argument_named_required(capsys):
-    """Bug caught: `mode compare --dry-run` (the YAML forgotten, or swallowed by `--only dense EXP.yaml`)
-    said `the following arguments are required: EXPERIMENT.yaml, dotted.key=value`, but the
-    overrides are optional."""
+    """Bug caught: `mode compare --dry-run` (the YAML forgotten) said `the following arguments are
+    required: EXPERIMENT.yaml, dotted.key=value`, but the overrides are optional."""
     from mode import compare
 
-    for argv in (["--dry-run"], ["--only", "dense", "configs/experiments/quickstart.yaml"]):
+    for argv in (["--dry-run"], ["--only", "dense", "mod", "--dry-run"]):
         with pytest.raises(SystemExit) as e:
             compare.main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err.splitlines()
         assert err == ["mode compare: error: the following arguments are required: EXPERIMENT.yaml"], err
+
+
+def test_only_followed_by_the_experiment_yaml_runs_those_variants(tmp_path, capsys, monkeypatch):
+    """Bug caught: `mode compare --only dense mod EXP.yaml` (the flag first, as a user
+    types it) was refused as if the YAML were missing: `--only` takes every word after it."""
+    exp = experiment(tmp_path)
+    r = mode_here(capsys, monkeypatch, "compare", "--only", "mod", exp, "train.max_steps=4", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    names = re.findall(r"\] (\w+)_seed0:", r.stderr)
+    assert names == ["mod"], r.stderr
+    assert all("train.max_steps=4" in c for c in r.stdout.strip().splitlines())
+
+
+def test_a_grid_run_trained_under_another_config_points_at_another_runs_dir(tmp_path, capsys, monkeypatch):
+    """Bug caught: a grid rerun with a changed variant said "use another run.dir", a key a grid's
+    runs do not take from the user (compare sets each run.dir under runs_dir): the way out is
+    --runs-dir, which the line now names."""
+    from mode.config import load_config
+
+    exp = experiment(tmp_path)
+    run = tmp_path / "runs" / "dense_seed0"
+    run.mkdir(parents=True)
+    old = load_config(str(ROOT / "configs/tiny/dense.yaml"), [*TINY, "optim.weight_decay=0.5", f"run.dir={run}"])
+    (run / "config.yaml").write_text(yaml.safe_dump(old.to_dict()))
+    (run / "run_info.json").write_text(json.dumps({"name": "dense", "seed": 0, "world_size": 1}))
+    r = mode_here(capsys, monkeypatch, "compare", exp, "--dry-run")
+    assert r.returncode == 2
+    line = r.stderr.strip()
+    assert "\n" not in line and "holds a run with a different config" in line and "optim.weight_decay" in line, line
+    assert line.endswith("use another --runs-dir"), line
 
 
 def test_a_launcher_option_under_launcher_local_says_none_are_allowed(tmp_path, capsys):
