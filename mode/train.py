@@ -382,6 +382,7 @@ class Trainer:
         if self.pred_opt and "predictor_optim" in client:
             self.pred_opt.load_state_dict(client["predictor_optim"])
         self.elapsed_s = client.get("elapsed_s", 0.0)
+        self.consecutive_bad = client.get("consecutive_bad", 0)  # max_consecutive_nonfinite spans a resume
         if "log_sums" in client.get("rank_state", {}) and client.get("world_size") == self.world:
             self.acc.load_state_dict(client["rank_state"]["log_sums"], self.dev)
         if self.rank == 0:
@@ -391,6 +392,7 @@ class Trainer:
         """`pending_s`: training time since the last log, not yet in elapsed_s (a resume must count it)."""
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
                  "world_size": self.world, "lr_steps": self.sched.last_epoch,  # skipped steps do not count
+                 "consecutive_bad": self.consecutive_bad,
                  "config": self.cfg.to_dict()}
         if self.pred_opt:
             state["predictor_optim"] = self.pred_opt.state_dict()

@@ -256,6 +256,20 @@ def test_nonfinite_too_many_in_a_row_stops(nonfinite):
     assert res["skipped"] == 3
 
 
+@pytest.mark.slow
+def test_nonfinite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
+    """Bug caught: the count of non-finite steps in a row started again at 0 on a resume, so a run
+    time-boxed (train.stop_at) between its bad steps never met max_consecutive_nonfinite: 2 skipped
+    steps before the checkpoint and 1 after trained on, where the uninterrupted run stops."""
+    run = [*NF, "train.max_consecutive_nonfinite=3", "checkpoint.every=4", f"run.dir={tmp_path / 'run'}"]
+    first = run_script(tmp_path, {"config": CFG, "nan_forward": [3, 4], "overrides": [*run, "train.stop_at=4"]},
+                       threads=1)
+    assert first["error"] is None and first["step"] == 4 and first["skipped"] == 2, first
+    res = run_script(tmp_path, {"config": CFG, "nan_forward": [5], "overrides": run}, threads=1)
+    assert res["error"] and "at step 5 (3 in a row, policy skip)" in res["error"], res
+    assert res["skipped"] == 3 and res["change"]["5"] == 0.0 and res["finite"], res
+
+
 # ----------------------------------------------------------------------------------------------
 # (d) A run directory written by an incompatible config.
 
