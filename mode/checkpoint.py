@@ -3,7 +3,8 @@
 Layout: run.dir/checkpoints/step_00000100/ holds DeepSpeed's files (model, optimizer, scheduler,
 client state with the step), `rng_rank{r}.pt` per rank (torch, cuda, numpy, python RNG: random
 top-k and DeepSpeed's MoE draw from them; and the rank's not-yet-logged metric sums), `model.pt`
-(plain state dict for generation) and, written last, `MANIFEST.json`: the size and SHA-256 of
+(plain state dict for generation), `config.json` (the config it was trained with, which readers of
+model.pt check config.yaml against) and, written last, `MANIFEST.json`: the size and SHA-256 of
 every other file.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 hashes the files, writes the manifest
@@ -39,6 +40,7 @@ CHECKPOINTS = "checkpoints"  # run.dir/checkpoints/
 STEP_RE = re.compile(r"^step_(\d{8})$")  # .../step_00000100/ (`.tmp`: being written, `.bad`: moved aside)
 MANIFEST = "MANIFEST.json"
 MODEL = "model.pt"  # the plain state dict that sampling, `mode eval` and `mode export` read
+CONFIG = "config.json"  # the config model.pt was trained with (config.yaml beside it can be edited)
 WEIGHTS_GLOB = f"{CHECKPOINTS}/step_*/{MODEL}"  # how messages name it, relative to run.dir
 
 
@@ -112,6 +114,17 @@ def _fsync_dir(d: Path) -> None:
 
 def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".part"))
+
+
+def write_config(d: Path, config: dict) -> None:
+    (d / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def trained_config(d: Path) -> dict | None:
+    """The config checkpoint `d` records (None: saved before the record existed). The manifest
+    vouches for the file, so a reader that verified `d` can trust it."""
+    f = d / CONFIG
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def write_manifest(d: Path, step: int) -> None:
@@ -334,6 +347,8 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
             if rank == 0:
                 torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                             for k, v in engine.module.state_dict().items()}, tmp / MODEL)
+                if "config" in client_state:
+                    write_config(tmp, client_state["config"])
         except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types
             err = e
     if _all(err is None):

@@ -373,7 +373,7 @@ class TrainConfig:
     nonfinite: str = "skip"
     """On a non-finite loss or gradient: `skip` the step (counted in train/skipped_steps) or `stop`."""
     max_consecutive_nonfinite: int = 5
-    """With `skip`: stop after this many non-finite steps in a row."""
+    """With `skip`: stop after this many non-finite steps in a row (the count is checkpointed: a resume continues it)."""
     compile: bool = False
     """torch.compile each block (per-block, as torchtitan); off until it is faster everywhere it runs (benchmarks/RESULTS.md)."""
     activation_checkpointing: str = "none"

@@ -27,13 +27,14 @@ Python API:
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mode.config import is_int, is_number
+from mode.config import Config, flatten, is_int, is_number
 from mode.model import LM, build_model
 
 
@@ -299,12 +300,30 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return newest_weights(run_dir)
 
 
+# Model keys that leave the trained function as it is (losses, init, training noise, sampling-time
+# capacity, the MoE layers' implementation and layout): config.yaml may differ from the checkpoint's
+# record in these. Any other model key would silently sample a different model from the same weights.
+SAMPLING_FREE = ("model.init_std", "model.mod.aux_loss_weight", "model.mod.predictor_loss_weight",
+                 "model.mod.threshold_momentum", "model.moe.jitter", "model.moe.lb_loss_weight",
+                 "model.moe.z_loss_weight", "model.moe.eval_capacity_factor", "model.moe.inference_capacity_factor",
+                 "model.moe.backend", "model.moe.ep_size")
+
+
+def model_diff(trained: dict, cfg) -> list[str]:
+    """`key: trained -> now` for the model keys (but SAMPLING_FREE) in which `cfg` differs from a
+    checkpoint's recorded config. A key added to the schema since reads as its default."""
+    a = {**flatten(Config().to_dict()), **flatten(trained)}
+    b = flatten(json.loads(json.dumps(cfg.to_dict())))  # tuples as the record's lists
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k.startswith("model.") and k not in SAMPLING_FREE and a.get(k) != b.get(k)]
+
+
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_source: bool = False):
     """(model in eval mode, tokenizer, config) from a run directory (config.yaml and the newest
     complete checkpoint's plain state_dict, model.pt: no DeepSpeed needed) or from a directory
     written by `mode export` (config.yaml, model.safetensors, tokenizer/). With `return_source`, the
     file the weights came from is returned fourth. A missing run or checkpoint is a ConfigError."""
-    from mode.checkpoint import MODEL, WEIGHTS_GLOB, CheckpointError
+    from mode.checkpoint import CONFIG, MODEL, WEIGHTS_GLOB, CheckpointError, trained_config
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
     from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
@@ -337,6 +356,12 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         if ckpt is None:
             raise ConfigError("--run", str(run_dir), f"a run with a complete checkpoint ({WEIGHTS_GLOB}): "
                               "none yet; train it first")
+        trained = trained_config(ckpt)
+        diff = model_diff(trained, cfg) if trained else []
+        if diff:  # config.yaml written back by hand: the weights load (same shapes) into another model
+            raise ConfigError("--run", msg=f"--run={run_dir}: its config.yaml differs from the config checkpoint "
+                              f"{ckpt.name} was trained with ({'; '.join(diff)}); write back the trained value "
+                              f"(the checkpoint's {CONFIG} holds it)")
         source = ckpt / MODEL
         try:  # it verified a moment ago: a failure now is a file changed since (or no state dict)
             state = torch.load(source, map_location="cpu", weights_only=True)

@@ -418,6 +418,10 @@ MUTANTS = [
      "    if a.experiment is None and len(yaml) == 1:\n", "    if False:\n", ["tests/test_compare.py"]),
     ("a grid's run.dir clash says 'another run.dir' (compare sets it)", "mode/compare.py",
      '.replace("another run.dir", "another --runs-dir")', "", ["tests/test_compare.py"]),
+    ("sampling builds the model from an edited config.yaml, not the checkpoint's", "mode/generate.py",
+     "        diff = model_diff(trained, cfg) if trained else []\n", "        diff = []\n", GEN),
+    ("a sampling-time key (inference capacity) refused like a model key", "mode/generate.py",
+     'if k.startswith("model.") and k not in SAMPLING_FREE and', 'if k.startswith("model.") and', GEN),
 ]
 
 

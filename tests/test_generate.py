@@ -122,6 +122,34 @@ def test_generate_text_and_load_run(tmp_path):
     assert texts == ["ab" + generate(model, tok, ["ab"], 4, temperature=0.0)[0]]
 
 
+def test_a_config_yaml_written_back_with_another_model_key_is_refused(tmp_path):
+    """Bug caught: generate, eval and export built the model from config.yaml alone; one written back
+    by hand with another model.rope_theta or model.mod.capacity loaded the checkpoint silently (same
+    shapes) and sampled a model that was never trained. The checkpoint's own record decides; keys
+    that leave the trained function as it is (sampling-time capacity, loss weights) may differ."""
+    from mode.config import ConfigError, dump_config, load_config
+    from tests.util import fake_run
+
+    model, run = fake_run(tmp_path, "mode_integrated")
+    trained = run / "trained.yaml"
+    (run / "config.yaml").rename(trained)
+    cfg = load_config(trained)
+    for key, value in (("model.rope_theta", 500.0), ("model.mod.capacity", 0.5), ("model.moe.top_k", 1)):
+        other = load_config(trained, [f"{key}={value}"])
+        (run / "config.yaml").write_text(dump_config(other))
+        with pytest.raises(ConfigError) as e:
+            load_run(run)
+        line = str(e.value)
+        assert "\n" not in line and f"differs from the config checkpoint step_00000003 was trained with ({key}: " in line
+        assert line.count(" -> ") == 1, line  # only the key that changed
+    other = load_config(trained, ["model.moe.inference_capacity_factor=1.0", "model.moe.lb_loss_weight=0.1"])
+    (run / "config.yaml").write_text(dump_config(other))
+    loaded, _, cfg2 = load_run(run)
+    assert cfg2.model.moe.inference_capacity_factor == 1.0 and cfg2.model.rope_theta == cfg.model.rope_theta
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Which checkpoint the readers of weights (generate, eval, export: load_run) take: resume's rule.
 

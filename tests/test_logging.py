@@ -506,6 +506,26 @@ def test_resuming_at_another_world_size_is_refused_without_run_info(tmp_path, st
 
 
 @pytest.mark.slow
+def test_sampling_refuses_a_config_yaml_the_checkpoint_was_not_trained_with(tmp_path, stopped_at_2):
+    """Bug caught: `mode generate` (and eval, export) built the model from config.yaml alone; written
+    back by hand with another model.rope_theta it sampled, from the trained weights, a model that
+    was never trained. The trainer's checkpoint records its config (config.json, in the manifest)."""
+    from mode import checkpoint as ckpt
+    from mode.config import dump_config, load_config
+
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    step = run / "checkpoints" / "step_00000002"
+    assert ckpt.verify(step) is None and ckpt.CONFIG in json.loads((step / ckpt.MANIFEST).read_text())["files"]
+    assert ckpt.trained_config(step) == json.loads(json.dumps(load_config(run / "config.yaml").to_dict()))
+    gen = ["generate", "--run", run, "--prompt", "def ", "--max-new-tokens", "2"]
+    mode_cli(*gen)
+    (run / "config.yaml").write_text(dump_config(load_config(run / "config.yaml", ["model.rope_theta=500.0"])))
+    r = mode_cli(*gen, check=False)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr[-3000:]
+    assert "step_00000002 was trained with (model.rope_theta: 10000.0 -> 500.0)" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_a_checkpoint_trained_under_another_config_is_refused(tmp_path, stopped_at_2):
     """Bug caught: only config.yaml said what config a run's checkpoints were trained with; one
     written back by hand (as the refusal of a run without it asks: `write back the config it was

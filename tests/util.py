@@ -129,9 +129,10 @@ def scalars(run_dir, tag: str) -> dict[int, float]:
     return {s: v for s, (_, v) in sorted(out.items())}
 
 
-def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
-    """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt and the manifest
-    that makes it count, no DeepSpeed files), placed where mode/checkpoint.py says; returns its directory."""
+def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = None) -> Path:
+    """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt, with `config` its
+    record of the trained config, and the manifest that makes it count; no DeepSpeed files), placed
+    where mode/checkpoint.py says; returns its directory."""
     import torch
 
     from mode import checkpoint as ckpt
@@ -139,6 +140,8 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict) -> Path:
     d = ckpt.step_dir(ckpt.checkpoints_dir(run_dir), step)
     d.mkdir(parents=True)
     torch.save(state_dict, d / ckpt.MODEL)
+    if config is not None:
+        ckpt.write_config(d, config)
     ckpt.write_manifest(d, step)
     return d
 
@@ -180,7 +183,7 @@ def fake_run(tmp_path, preset, name="run"):
 
     model, cfg = tiny_model(preset, seed=1)
     run = Path(tmp_path) / name
-    fake_checkpoint(run, 3, model.state_dict())
+    fake_checkpoint(run, 3, model.state_dict(), cfg.to_dict())
     (run / "config.yaml").write_text(dump_config(cfg))
     return model, run
 
