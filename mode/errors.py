@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -42,6 +43,23 @@ def one_line(e: BaseException) -> tuple[str, int]:
     return f"error: {type(e).__name__}: {text[:400]} (run again with --debug for the traceback)", 1
 
 
+def with_own_config(line: str, argv: list[str]) -> str:
+    """Messages spell the prepare command `mode data prepare --config F`; from a command given
+    `--config`, name that file and its data and model overrides instead (a command to copy)."""
+    if "--config F" not in line:
+        return line
+    cfg = None
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            cfg = argv[i + 1]
+        elif a.startswith("--config="):
+            cfg = a.split("=", 1)[1]
+    if cfg is None:
+        return line
+    over = [a for a in argv if "=" in a and a.startswith(("data.", "model."))]  # what a prepare reads
+    return line.replace("--config F", shlex.join(["--config", cfg, *over]))
+
+
 def guarded(fn, argv: list[str]) -> int:
     """fn(argv) -> exit code, with every exception turned into its one line (unless debugging)."""
     debug, argv = wants_debug(argv)
@@ -61,6 +79,7 @@ def guarded(fn, argv: list[str]) -> int:
         if debug:
             raise
         line, code = one_line(e)
+        line = with_own_config(line, argv)
         if code != 2 or os.environ.get("LOCAL_RANK") in (None, "", "0"):
             # A config error is the same on every rank of a node (same arguments, same files): only
             # the node's first rank says it, instead of one identical line per rank.

@@ -422,6 +422,8 @@ MUTANTS = [
      "        diff = model_diff(trained, cfg) if trained else []\n", "        diff = []\n", GEN),
     ("a sampling-time key (inference capacity) refused like a model key", "mode/generate.py",
      'if k.startswith("model.") and k not in SAMPLING_FREE and', 'if k.startswith("model.") and', GEN),
+    ("the rebuild hint says `--config F`, not the user's config", "mode/errors.py",
+     "        line = with_own_config(line, argv)\n", "", ["tests/test_data.py"]),
 ]
 
 

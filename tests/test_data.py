@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -860,6 +861,9 @@ def test_a_cut_or_missing_shard_file_is_one_config_error_and_force_rebuilds_it(c
             for extra in ([], ["--print-config"]):
                 line = _one_config_line(main, [*common, f"run.dir={tmp_path / 'run'}", *extra], capsys)
                 assert re.search(needle, line) and not (tmp_path / "run").exists(), line
+                # the rebuild command names this config and its data/model overrides (was `--config F`)
+                own = [a for a in common[2:] if a.startswith(("data.", "model."))]
+                assert own and f"`mode data prepare {shlex.join(common[:2] + own)} --force`" in line, line
             # a shard cut after the open was checked is refused by the reader too
             with pytest.raises(ConfigError, match=r"train_00000.bin holds \d+ tokens, the manifest says"):
                 TokenSplit(path, m["splits"]["train"], m["dtype"])
@@ -1236,8 +1240,12 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
         assert lines[0].startswith(f"config error: data.prepared_dir='{tmp_path / 'p'}': {path} is damaged ("), lines
-        assert needle in lines[0] and "`mode data prepare --config F --force`" in lines[0], lines
+        # the command to copy: this config and its data and model overrides (was `--config F`)
+        hint = shlex.join(["mode", "data", "prepare", *[a for a in data if not a.startswith(("train.", "log."))],
+                           "--force"])
+        assert needle in lines[0] and f"`{hint}`" in lines[0], lines
         assert not (tmp_path / "run").exists()
+        return hint
 
     m = json.loads(text)
     del m["splits"]["train"]["bytes"]
@@ -1247,8 +1255,8 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
     f = path / "train_00000.bin"
     assert f.stat().st_size > 300_000
     os.truncate(f, f.stat().st_size // 100 // 2 * 2)  # whole tokens: only the size tells
-    one_line("train", *train, needle="train_00000.bin is ")
-    mode_cli("data", "prepare", *data, "--force")
+    hint = one_line("train", *train, needle="train_00000.bin is ")
+    mode_cli(*shlex.split(hint)[1:])  # the command the line gives
     mode_cli("train", *train)
     assert json.loads((path / "manifest.json").read_text())["splits"] == splits
     assert scalars(tmp_path / "run", "train/loss")
