@@ -403,8 +403,22 @@ def fingerprint(files: list[str]) -> list:
 _TOK = None
 
 
-def _init_worker(spec: dict) -> None:
+def _exit_with_parent(parent: int, scratch: str) -> None:
+    # A worker holds both ends of the pool's task queue, so its parent's death (SIGKILL) never
+    # reaches it as EOF: it waited for tasks for good (seen), and the scratch batches stayed.
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    shutil.rmtree(scratch, ignore_errors=True)
+    os._exit(1)
+
+
+def _init_worker(spec: dict, scratch: str | None = None) -> None:
     global _TOK
+    if scratch is not None:  # a pool's worker
+        import threading
+
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(), scratch), name="mode-parent",
+                         daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: data.num_workers is the knob
     _TOK = tokenizer_from_spec(spec)
 
@@ -473,7 +487,7 @@ def encoder(tok, workers: int):
     # forever; here the pool breaks and the next result or submit says so.
     with tempfile.TemporaryDirectory(prefix="mode-prepare-") as tmp, \
             ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                initargs=(tok.spec(),)) as pool:
+                                initargs=(tok.spec(), tmp)) as pool:
         def run(docs):
             pending = deque()
             try:
@@ -491,7 +505,25 @@ def encoder(tok, workers: int):
                                    "spawned worker runs again); run the prepare again to resume after its last "
                                    "complete shard, or lower data.num_workers") from None
 
-        yield run
+        # SIGTERM (scancel, a time limit, `kill`) as an exit, so the pool stops and the batches in
+        # the scratch directory go with it; by default the process vanished and left both behind.
+        import signal
+        import threading
+
+        main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+        before = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+        try:
+            yield run
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the running batches only, then the scratch
+            raise
+        finally:
+            if main:  # (None: a handler set outside Python; the default then)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class ShardWriter:

@@ -1186,8 +1186,9 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
     args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
             "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
     sems = {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
-    p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    # (its own TMPDIR: the workers, killed with it, cannot remove their scratch batches)
+    p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env={**env(1), "TMPDIR": str(tmp_path)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00001.bin")):
         time.sleep(0.02)
@@ -1260,6 +1261,44 @@ def test_the_audits_cut_shard_and_a_malformed_manifest_stop_mode_train_in_one_li
     mode_cli("train", *train)
     assert json.loads((path / "manifest.json").read_text())["splits"] == splits
     assert scalars(tmp_path / "run", "train/loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_prepare_stopped_by_a_signal_leaves_no_worker_or_scratch_behind(tmp_path, sig):
+    """Bug caught: SIGTERM (scancel, a time limit) or SIGKILL of `mode data prepare` left its
+    tokenizer workers running for good (each holds both ends of the pool's task queue, so the
+    parent's death never reached them) and the batches in flight in $TMPDIR. Now SIGTERM stops the
+    pool (exit 143) and a worker exits, removing the scratch, within a second of its parent's
+    death; the next prepare resumes."""
+    d = word_files(tmp_path / "big", 20, 150_000)
+    args = ["data", "prepare", "--config", "configs/tiny/dense.yaml", f"data.source={d}", "data.num_workers=2",
+            "data.shard_tokens=2000000", f"data.prepared_dir={tmp_path / 'p'}"]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    p = subprocess.Popen([PY, "-m", "mode.cli", *args], cwd=ROOT, env={**env(1), "TMPDIR": str(scratch)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not any((tmp_path / "p").glob("*.tmp/train_00000.bin")):
+            time.sleep(0.02)
+        workers = [pid for pid, cmd in process_group(p.pid) if "spawn_main" in cmd]
+        assert len(workers) == 2 and list(scratch.glob("mode-prepare-*")), process_group(p.pid)
+        os.kill(p.pid, getattr(signal, sig))
+        rc = p.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(pid in workers for pid, _ in process_group(p.pid)):
+            time.sleep(0.1)
+        left = process_group(p.pid)
+    finally:
+        for pid, _ in process_group(p.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert rc == (143 if sig == "SIGTERM" else -9), (rc, p.stderr.read()[-2000:])
+    assert not any(pid in workers for pid, _ in left), left
+    assert not list(scratch.iterdir()), list(scratch.rglob("*"))
+    assert not any((tmp_path / "p").glob("*/manifest.json"))
+    mode_cli(*args)  # resumes
+    assert len(list((tmp_path / "p").glob("*/manifest.json"))) == 1
 
 
 # Kills one of two tokenizer workers at the worst moment it can catch: inside a write (the old result
