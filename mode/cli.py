@@ -113,7 +113,7 @@ def _generate(argv) -> int:
         if a.prompt_file:  # the file was given and holds no prompt: name it
             raise ConfigError("--prompt-file", a.prompt_file, "a file with at least one non-blank line (one prompt "
                               "per line; this one has none)")
-        raise ConfigError("--prompt", None, "at least one --prompt or a non-empty --prompt-file")
+        raise ConfigError("--prompt", msg="--prompt: none given; at least one --prompt or a non-empty --prompt-file")
     try:
         outs = cli_generate(a.run, prompts, a.max_new_tokens, a.temperature, a.seed, a.top_k, a.top_p, a.stop,
                             completions=True)

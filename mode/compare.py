@@ -791,15 +791,21 @@ def main(argv=None) -> int:
                    help="launcher slurm: submit again the runs whose job ended without finishing them")
     p.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",  # a default: not "required"
                    help="applied to every run")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the options
-    # `--only dense mod EXP.yaml k=v`: nargs="+" takes everything after --only; give back what is not a variant
+    # `--only dense mod EXP.yaml k=v`: nargs="+" takes every word after --only, and the first
+    # override may then fill EXPERIMENT.yaml; give back what is not a variant
+    words = [*([a.experiment] if a.experiment else []), *a.overrides, *(a.only or [])]
     yaml = [v for v in a.only or [] if v.endswith((".yaml", ".yml"))]
-    if a.experiment is None and len(yaml) == 1:
+    misplaced = a.experiment is None or "=" in a.experiment and not a.experiment.endswith((".yaml", ".yml"))
+    if misplaced and len(yaml) == 1:
         a.experiment = yaml[0]
     elif a.experiment is None:
         p.error("the following arguments are required: EXPERIMENT.yaml")
     only = [v for v in a.only or [] if "=" not in v and v != a.experiment] or None
-    extra = [*a.overrides, *[v for v in a.only or [] if "=" in v]]
+    # in command-line order: of a key given twice, the last value wins (as in `mode train`)
+    extra = sorted((w for w in words if "=" in w and w != a.experiment),
+                   key=lambda w: argv.index(w) if w in argv else len(argv))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -305,15 +305,21 @@ def test_a_missing_experiment_yaml_is_the_only_argument_named_required(capsys):
         assert err == ["mode compare: error: the following arguments are required: EXPERIMENT.yaml"], err
 
 
-def test_only_followed_by_the_experiment_yaml_runs_those_variants(tmp_path, capsys, monkeypatch):
-    """Bug caught: `mode compare --only dense mod EXP.yaml` (the flag first, as a user
-    types it) was refused as if the YAML were missing: `--only` takes every word after it."""
+@pytest.mark.parametrize("order", [
+    ["--only", "mod", "EXP", "train.max_steps=4", "--dry-run"],
+    ["--only", "mod", "EXP", "--dry-run", "train.max_steps=4"],  # the override filled EXPERIMENT.yaml
+    ["--only", "mod", "train.max_steps=2", "--dry-run", "EXP", "train.max_steps=4"],  # the first value won
+    ["EXP", "--only", "mod", "--dry-run", "train.max_steps=4"]])
+def test_only_followed_by_the_experiment_yaml_runs_those_variants(tmp_path, capsys, monkeypatch, order):
+    """Bugs caught: `mode compare --only mod EXP.yaml` (the flag first, as a user types it) was
+    refused as if the YAML were missing (`--only` takes every word after it); with an option and an
+    override after the YAML, the override was read as the experiment file; of a key given twice,
+    the value written first won."""
     exp = experiment(tmp_path)
-    r = mode_here(capsys, monkeypatch, "compare", "--only", "mod", exp, "train.max_steps=4", "--dry-run")
+    r = mode_here(capsys, monkeypatch, "compare", *[str(exp) if w == "EXP" else w for w in order])
     assert r.returncode == 0, r.stderr
-    names = re.findall(r"\] (\w+)_seed0:", r.stderr)
-    assert names == ["mod"], r.stderr
-    assert all("train.max_steps=4" in c for c in r.stdout.strip().splitlines())
+    assert re.findall(r"\] (\w+)_seed0: new run, (\d+) steps", r.stderr) == [("mod", "4")], r.stderr
+    assert all(c.split(" run.dir=")[0].endswith("train.max_steps=4") for c in r.stdout.strip().splitlines()), r.stdout
 
 
 def test_a_grid_run_trained_under_another_config_points_at_another_runs_dir(tmp_path, capsys, monkeypatch):

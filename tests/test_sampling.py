@@ -531,7 +531,7 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     (["--run", "{run}", "--prompt", "a", "--prompt", "y" * 70, "--max-new-tokens", "1"],  # the prompt alone is too long
      "at most 64 tokens with the leading EOS (the model's max_seq_len): prompt 1 has 71"),
     (["--run", "{run}", "--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
-    (["--run", "{run}"], "at least one --prompt"),
+    (["--run", "{run}"], "config error: --prompt: none given; at least one --prompt"),  # was `--prompt=None`
     (["--run", "{run}", "--prompt", "a", "--seed", str(2**64)], "--seed=18446744073709551616: an integer in"),
     (["--run", "{run}", "--prompt-file", "{run}/latin1.txt"],
      "latin1.txt': a UTF-8 text file, one prompt per line (byte 3 is not UTF-8)"),
