@@ -3,7 +3,7 @@
 DIR holds `model.safetensors` (weights only, no pickle), the resolved `config.yaml`, the tokenizer
 (`tokenizer/tokenizer.json` and its `tokenizer_config.json` for a Hugging Face tokenizer, with the
 run's EOS token pinned in the config; the byte tokenizer needs no file) and
-`export.json` (where it came from). `load_run`, `mode generate` and `mode eval` read DIR like a run
+`export.json` (where it came from, and the model config the weights were trained as). `load_run`, `mode generate` and `mode eval` read DIR like a run
 directory. The export is written into a sibling temporary directory and renamed into place, so a
 failure leaves no half-written DIR; one that is the disk's (full, read-only) is one line naming DIR and the cause.
 """
@@ -54,8 +54,10 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
                 for src, name in tok_files:
                     shutil.copy2(src, tmp / TOKENIZER_DIR / name)
             (tmp / "config.yaml").write_text(dump_config(cfg))
+            # "model": what the weights were trained as (config.yaml beside them can be edited; load_run checks)
             info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()),
-                    "checkpoint": str(Path(source).resolve()), "parameters": sum(p.numel() for p in model.parameters())}
+                    "checkpoint": str(Path(source).resolve()), "parameters": sum(p.numel() for p in model.parameters()),
+                    "model": json.loads(json.dumps(cfg.to_dict()["model"]))}
             (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
             # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got
             # (config.yaml: the umask's, e.g. 0644), so whoever may read the config may read the weights.

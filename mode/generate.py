@@ -347,7 +347,16 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
         cfg.data.source = data.get("source", cfg.data.source)
         cfg.data.val_source = data.get("val_source", cfg.data.val_source)
+    def check_model(trained: dict | None, where: str, record: str) -> None:
+        diff = model_diff(trained, cfg) if trained else []  # None: written before the record existed
+        if diff:  # config.yaml written back by hand: the weights load (same shapes) into another model
+            raise ConfigError("--run", msg=f"--run={run_dir}: its config.yaml differs from the config {where} was "
+                              f"trained with ({'; '.join(diff)}); write back the trained value ({record} holds it)")
+
     if exported:
+        info = run_dir / "export.json"
+        model_record = json.loads(info.read_text()).get("model") if info.is_file() else None
+        check_model(model_record and {"model": model_record}, "the export", "its export.json")
         model = build_model(cfg.model)
         source = run_dir / WEIGHTS
         load_weights(model, source)
@@ -356,12 +365,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         if ckpt is None:
             raise ConfigError("--run", str(run_dir), f"a run with a complete checkpoint ({WEIGHTS_GLOB}): "
                               "none yet; train it first")
-        trained = trained_config(ckpt)
-        diff = model_diff(trained, cfg) if trained else []
-        if diff:  # config.yaml written back by hand: the weights load (same shapes) into another model
-            raise ConfigError("--run", msg=f"--run={run_dir}: its config.yaml differs from the config checkpoint "
-                              f"{ckpt.name} was trained with ({'; '.join(diff)}); write back the trained value "
-                              f"(the checkpoint's {CONFIG} holds it)")
+        check_model(trained_config(ckpt), f"checkpoint {ckpt.name}", f"the checkpoint's {CONFIG}")
         source = ckpt / MODEL
         try:  # it verified a moment ago: a failure now is a file changed since (or no state dict)
             state = torch.load(source, map_location="cpu", weights_only=True)

@@ -421,9 +421,12 @@ MUTANTS = [
     ("a grid's run.dir clash says 'another run.dir' (compare sets it)", "mode/compare.py",
      '.replace("another run.dir", "another --runs-dir")', "", ["tests/test_compare.py"]),
     ("sampling builds the model from an edited config.yaml, not the checkpoint's", "mode/generate.py",
-     "        diff = model_diff(trained, cfg) if trained else []\n", "        diff = []\n", GEN),
+     "        diff = model_diff(trained, cfg) if trained else []  #", "        diff = []  #", GEN),
     ("a sampling-time key (inference capacity) refused like a model key", "mode/generate.py",
      'if k.startswith("model.") and k not in SAMPLING_FREE and', 'if k.startswith("model.") and', GEN),
+    ("an export's edited config.yaml is not checked against export.json", "mode/generate.py",
+     'check_model(model_record and {"model": model_record}, "the export"', 'check_model(None, "the export"',
+     ["tests/test_export.py"]),
     ("the rebuild hint says `--config F`, not the user's config", "mode/errors.py",
      "        line = with_own_config(line, argv)\n", "", ["tests/test_data.py"]),
 ]

@@ -2,6 +2,7 @@
 with the same logits and the same tokenizer as the run it came from. Needs no lm-eval."""
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -41,6 +42,30 @@ def test_export_gives_the_same_logits(tmp_path, preset, monkeypatch):
         for routing in ("causal", "topk"):
             assert torch.equal(model(ids, routing=routing).logits, loaded(ids, routing=routing).logits)
     shutil.rmtree(run)  # the export stands alone
+
+
+def test_an_exports_config_yaml_edited_with_another_model_key_is_refused(tmp_path):
+    """Bug caught: an export's config.yaml edited by hand (model.rope_theta, model.norm_eps) loaded
+    its weights silently into a model never trained (the run's checkpoints record their config;
+    exports did not). export.json records the model config; a sampling-time key may differ."""
+    from mode.config import ConfigError, dump_config, load_config
+
+    model, run = fake_run(tmp_path, "mode_integrated")
+    out = tmp_path / "out"
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 0
+    trained = json.loads(json.dumps(load_config(run / "config.yaml").to_dict()["model"]))
+    assert json.loads((out / "export.json").read_text())["model"] == trained
+    exported = (out / "config.yaml").read_text()
+    for key, value in (("model.rope_theta", 500000.0), ("model.norm_eps", 10.0)):
+        (out / "config.yaml").write_text(exported)
+        edited = load_config(out / "config.yaml", [f"{key}={value}"])
+        (out / "config.yaml").write_text(dump_config(edited))
+        with pytest.raises(ConfigError, match=rf"config the export was trained with \({re.escape(key)}: "):
+            load_run(out)
+    (out / "config.yaml").write_text(exported)
+    cfg = load_config(out / "config.yaml", ["model.moe.inference_capacity_factor=1.0"])
+    (out / "config.yaml").write_text(dump_config(cfg))
+    assert load_run(out)[2].model.moe.inference_capacity_factor == 1.0
 
 
 def test_export_creates_missing_parent_directories(tmp_path):
