@@ -674,7 +674,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   + "".join(f"; `{v}` (decoupled routing) one row per router, attention and MLP, from the training "
                             "logs" for v in split) + ". "
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
-                  f"(step {_last_log_steps(runs)}, training batches), not the eval batch.", ""]
+                  + (f"(step {_last_log_steps(runs)}, training batches), not the eval batch." if _last_log_steps(runs)
+                     else "(none yet: no run has trained to its first train.log_every step), not the eval batch."),
+                  ""]
     fig = plot_per_layer([(processed_data, "fraction of tokens processed",
                            "per layer: bars top-k" + (", diamonds causal routing" if causal else ""), causal)],
                          colors, out_dir / "routing_per_layer.png")

@@ -806,6 +806,7 @@ def main(argv=None) -> int:
     # in command-line order: of a key given twice, the last value wins (as in `mode train`)
     extra = sorted((w for w in words if "=" in w and w != a.experiment),
                    key=lambda w: argv.index(w) if w in argv else len(argv))
+    a.overrides, a.only = extra, only  # as again_command repeats them
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -855,11 +856,13 @@ def main(argv=None) -> int:
         return 128 + int(e.signum)
 
 
-def again_command(a, *flags: str) -> str:
+def again_command(a, *flags: str, stop_at: bool = True) -> str:
     """`mode compare` with the user's own grid arguments (experiment, overrides, --runs-dir, --only,
-    --seeds, --poll) and `flags`: a hint without them would target the grid's default runs."""
-    only = [v for v in a.only or [] if "=" not in v]
-    cmd = ["mode", "compare", a.experiment, *a.overrides, *[v for v in a.only or [] if "=" in v]]
+    --seeds, --poll) and `flags`: a hint without them would target the grid's default runs.
+    `stop_at=False` leaves out a train.stop_at override (the command that continues stopped runs)."""
+    only = a.only or []
+    over = [v for v in a.overrides if stop_at or not v.startswith("train.stop_at=")]
+    cmd = ["mode", "compare", a.experiment, *over]
     if a.runs_dir is not None:
         cmd += ["--runs-dir", a.runs_dir]
     if a.seeds:
@@ -908,8 +911,8 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             return 0
         stopped = [r.name for r in runs if r.extra.get("stopped")]
         if stopped:  # the report is written from what exists, as with the local launcher
-            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); without train.stop_at, "
-                f"`{again_command(a, '--resubmit')}` continues them")
+            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); "
+                f"`{again_command(a, '--resubmit', stop_at=False)}` continues them")
     else:
         t_all = time.perf_counter()
         for i, r in enumerate(runs, 1):
@@ -925,7 +928,11 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             r.status, r.resume_step = status(r)
             state = "done" if r.status == "done" else f"stopped at step {r.resume_step} (train.stop_at)"
             log(f"[{i}/{n}] {r.name}: {state} in {dt:.0f}s")
-        if todo:
+        stopped = [r.name for r in runs if r.status != "done"]
+        if stopped:  # (train.stop_at) the report is written from what exists
+            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); "
+                f"`{again_command(a, stop_at=False)}` continues them; writing the report")
+        elif todo:
             log(f"all runs finished in {time.perf_counter() - t_all:.0f}s; writing the report")
     try:
         path = report(exp)

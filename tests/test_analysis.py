@@ -613,6 +613,24 @@ def test_last_step_is_the_training_step_not_tokens_or_mflops(tmp_path):
     assert "| `dense_seed0` | `dense_seed0` | `dense` | 0 | 30 | yes |" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_per_layer_routing_of_runs_with_no_training_log_names_no_step(tmp_path):
+    """Bug caught: runs stopped before their first train.log_every step (a compare with
+    train.stop_at=2, log_every=10) gave "the last training log (step , training batches)"."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    _write_run(root / "mod_seed0", "mod", 0, 2.0, model__mod__layers="every_other")
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Per-layer routing" in md and "(step , " not in md, md
+    assert "the last training log (none yet: no run has trained to its first train.log_every step)" in md
+    w = SummaryWriter(str(root / "mod_seed0" / "tb"))
+    w.add_scalar("train/loss", 3.0, 10)
+    w.close()
+    report.analyze(root, tmp_path / "out")
+    assert "the last training log (step 10, training batches)" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path, capsys):
     """Bug caught: `mode analyze RUNS --out DIR` (and `python -m analysis.isoflop --out DIR`) replaced
     report.md, summary.json, isoflop.md and *.png in any existing directory, a user's own included.

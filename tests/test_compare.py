@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -49,9 +50,14 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monk
     assert "stopped at step 4" in r.stderr
     assert last_line(r) == f"report: {runs / 'report' / 'report.md'}"
     assert not (runs / "dense_seed0" / "DONE").exists()
+    # bug caught: it ended with "all runs finished" and no word of how to continue them
+    hint = re.search(r"2 run\(s\) stopped at train.stop_at \(dense_seed0, mod_seed0\); `(mode compare [^`]*)` "
+                     "continues them", r.stderr)
+    assert hint and "all runs finished" not in r.stderr, r.stderr[-3000:]
+    assert shlex.split(hint.group(1)) == ["mode", "compare", str(exp)]
 
-    # The same command again resumes both from step 4 and finishes them.
-    r = mode_cli("compare", exp)
+    # The command it gives resumes both from step 4 and finishes them.
+    r = mode_cli(*shlex.split(hint.group(1))[1:])
     assert r.stderr.count("resuming from step 4/6") == 2, r.stderr[-3000:]
     for name, variant in (("dense_seed0", "dense"), ("mod_seed0", "mod")):
         d = runs / name
@@ -481,11 +487,15 @@ def test_follow_up_hints_keep_the_users_grid_arguments(tmp_path):
 
     from mode import compare
 
-    a = argparse.Namespace(experiment="my grid.yaml", overrides=["train.max_steps=9"], only=["dense", "x.y=1"],
-                           runs_dir="runs/long", seeds="0,1", poll=5.0)
+    # (main() hands it the overrides in command-line order, those --only took among them)
+    a = argparse.Namespace(experiment="my grid.yaml", overrides=["train.max_steps=9", "train.stop_at=4", "x.y=1"],
+                           only=["dense"], runs_dir="runs/long", seeds="0,1", poll=5.0)
     hint = compare.again_command(a, "--wait")
+    assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "train.stop_at=4", "x.y=1",
+                                 "--runs-dir", "runs/long", "--seeds", "0,1", "--poll", "5", "--wait", "--only", "dense"]
+    hint = compare.again_command(a, "--resubmit", stop_at=False)  # what continues runs stopped at stop_at
     assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "x.y=1", "--runs-dir",
-                                 "runs/long", "--seeds", "0,1", "--poll", "5", "--wait", "--only", "dense"]
+                                 "runs/long", "--seeds", "0,1", "--poll", "5", "--resubmit", "--only", "dense"]
     b = argparse.Namespace(experiment="g.yaml", overrides=[], only=None, runs_dir=None, seeds=None, poll=30.0)
     assert compare.again_command(b, "--resubmit") == "mode compare g.yaml --resubmit"
 
