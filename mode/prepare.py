@@ -435,6 +435,29 @@ def _encode(texts: list[str]):
     return flat, lens, hashes, np.array([len(r) for r in raw], dtype=np.int64)
 
 
+SCRATCH = "mode-prepare-"  # + host-pid-random: a prepare's scratch directory under $TMPDIR
+BATCH_FILE = re.compile(r"\d+\.npz")  # what its workers write there
+
+
+def remove_dead_scratch() -> None:
+    """Remove the scratch directories of prepares on this host whose process is gone (a SIGKILL of
+    a whole prepare, workers included, leaves one): ours by name, host and dead pid, holding only
+    batch files; anything else (a live pid, another host's, a file of the user's inside) is kept."""
+    import tempfile
+
+    host = socket.gethostname()
+    pattern = re.compile(re.escape(f"{SCRATCH}{host}-") + r"(\d+)-\w+")
+    for d in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
+        m = pattern.fullmatch(d.name)
+        if not m or _alive(int(m.group(1))) or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            if all(BATCH_FILE.fullmatch(f.name) and f.is_file() and not f.is_symlink() for f in d.iterdir()):
+                shutil.rmtree(d)
+        except OSError:
+            pass  # another prepare removed it meanwhile, or it is not ours to remove
+
+
 def _encode_to_file(texts: list[str], path: str) -> str:
     """_encode with the arrays left in a file: a worker killed while it sends a large result leaves half a
     message in the result pipe, and ProcessPoolExecutor then waits for the rest forever (seen here: 1 in
@@ -485,7 +508,8 @@ def encoder(tok, workers: int):
 
     # Not multiprocessing.Pool: a worker that dies there loses its task and the prepare waits for it
     # forever; here the pool breaks and the next result or submit says so.
-    with tempfile.TemporaryDirectory(prefix="mode-prepare-") as tmp, \
+    remove_dead_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{socket.gethostname()}-{os.getpid()}-") as tmp, \
             ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                 initargs=(tok.spec(), tmp)) as pool:
         def run(docs):

@@ -1208,7 +1208,8 @@ def test_killed_prepare_restarts_cleanly(tmp_path):
     done = json.loads((tmp / "progress.json").read_text())["train"]["shards"]
     assert done, "the kill came too late to test a resume"
     kept = {s["file"]: (tmp / s["file"]).stat().st_ino for s in done}
-    mode_cli(*args)
+    mode_cli(*args, extra_env={"TMPDIR": str(tmp_path)})
+    assert not list(tmp_path.glob("mode-prepare-*")), "the rerun left the killed prepare's scratch"
     mode_cli(*args[:-1], f"data.prepared_dir={tmp_path / 'clean'}")
     (a,), (b,) = (tmp_path / "p").glob("*/manifest.json"), (tmp_path / "clean").glob("*/manifest.json")
     assert not list((tmp_path / "p").glob("*.tmp"))
@@ -1299,6 +1300,36 @@ def test_a_prepare_stopped_by_a_signal_leaves_no_worker_or_scratch_behind(tmp_pa
     assert not any((tmp_path / "p").glob("*/manifest.json"))
     mode_cli(*args)  # resumes
     assert len(list((tmp_path / "p").glob("*/manifest.json"))) == 1
+
+
+def test_scratch_of_a_dead_prepare_on_this_host_is_removed_and_nothing_else(tmp_path, monkeypatch):
+    """A SIGKILL of a whole prepare (workers included: nobody left to clean up) left its batches in
+    $TMPDIR for good. The next prepare removes such a directory when it can prove it a dead
+    prepare's: the name (this host, a pid no longer running) and nothing but batch files inside."""
+    import socket
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(gone.stdout), socket.gethostname()
+
+    def scratch(name: str, *files: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in files:
+            (d / f).write_bytes(b"PK")
+        return d
+
+    removed = [scratch(f"mode-prepare-{host}-{dead}-ab_12", "0.npz", "17.npz"), scratch(f"mode-prepare-{host}-{dead}-x")]
+    kept = [scratch(f"mode-prepare-{host}-{os.getpid()}-live1", "3.npz"),  # a running prepare's
+            scratch(f"mode-prepare-{host}-{dead}-user", "3.npz", "notes.txt"),  # a file mode does not write
+            scratch(f"mode-prepare-otherhost-{dead}-far", "3.npz"),  # another node's pids are not ours to judge
+            scratch("mode-prepare-old_style", "3.npz"), scratch(f"not-mode-{host}-{dead}-x", "3.npz")]
+    (tmp_path / f"mode-prepare-{host}-{dead}-link").symlink_to(kept[0])
+    prep.remove_dead_scratch()
+    assert not any(d.exists() for d in removed)
+    assert all(d.is_dir() and any(d.iterdir()) for d in kept)
+    assert (tmp_path / f"mode-prepare-{host}-{dead}-link").is_symlink() and (kept[0] / "3.npz").is_file()
 
 
 # Kills one of two tokenizer workers at the worst moment it can catch: inside a write (the old result
