@@ -665,6 +665,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     pct = lambda x: f"{x:.1%}"  # noqa: E731
     lines += ["## Per-layer routing", ""]
     if processed:
+        last_log = _last_log_steps(runs)
         src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
                     "logs": "the training logs (MoD capacity × the last logged fraction of tokens a real expert "
                             "processed, `engaged_frac`; 1 in a layer that routes nothing)"}
@@ -674,7 +675,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   + "".join(f"; `{v}` (decoupled routing) one row per router, attention and MLP, from the training "
                             "logs" for v in split) + ". "
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
-                  + (f"(step {_last_log_steps(runs)}, training batches), not the eval batch." if _last_log_steps(runs)
+                  + (f"(step {last_log}, training batches), not the eval batch." if last_log
                      else "(none yet: no run has trained to its first train.log_every step), not the eval batch."),
                   ""]
     fig = plot_per_layer([(processed_data, "fraction of tokens processed",

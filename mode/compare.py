@@ -873,6 +873,10 @@ def again_command(a, *flags: str, stop_at: bool = True) -> str:
     return shlex.join(cmd)
 
 
+def stopped_line(stopped: list[str], again: str) -> str:
+    return f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); `{again}` continues them"
+
+
 def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> int:
     n = len(runs)
     todo = sum(r.status != "done" for r in runs)
@@ -911,8 +915,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             return 0
         stopped = [r.name for r in runs if r.extra.get("stopped")]
         if stopped:  # the report is written from what exists, as with the local launcher
-            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); "
-                f"`{again_command(a, '--resubmit', stop_at=False)}` continues them")
+            log(stopped_line(stopped, again_command(a, '--resubmit', stop_at=False)))
     else:
         t_all = time.perf_counter()
         for i, r in enumerate(runs, 1):
@@ -930,8 +933,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             log(f"[{i}/{n}] {r.name}: {state} in {dt:.0f}s")
         stopped = [r.name for r in runs if r.status != "done"]
         if stopped:  # (train.stop_at) the report is written from what exists
-            log(f"{len(stopped)} run(s) stopped at train.stop_at ({', '.join(stopped)}); "
-                f"`{again_command(a, stop_at=False)}` continues them; writing the report")
+            log(stopped_line(stopped, again_command(a, stop_at=False)) + "; writing the report")
         elif todo:
             log(f"all runs finished in {time.perf_counter() - t_all:.0f}s; writing the report")
     try:

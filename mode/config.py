@@ -79,6 +79,15 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def config_diff(old: dict, new: dict, keep=lambda key: True) -> list[str]:
+    """`key: old -> new` for each dotted key `keep` accepts in which two config dicts differ. A key
+    added to the schema after `old` was saved reads as its default: an older run still matches
+    unless the new key is set to something else."""
+    a = {**flatten(Config().to_dict()), **flatten(old)}
+    b = flatten(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if keep(k) and a.get(k) != b.get(k)]
+
+
 LayerSpec = Union[str, List[int]]
 LAYER_SPECS = ("none", "every", "every_other")
 

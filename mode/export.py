@@ -57,7 +57,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
             # "model": what the weights were trained as (config.yaml beside them can be edited; load_run checks)
             info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()),
                     "checkpoint": str(Path(source).resolve()), "parameters": sum(p.numel() for p in model.parameters()),
-                    "model": json.loads(json.dumps(cfg.to_dict()["model"]))}
+                    "model": cfg.to_dict()["model"]}
             (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
             # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got
             # (config.yaml: the umask's, e.g. 0644), so whoever may read the config may read the weights.

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mode.config import Config, flatten, is_int, is_number
+from mode.config import config_diff, is_int, is_number
 from mode.model import LM, build_model
 
 
@@ -311,11 +311,8 @@ SAMPLING_FREE = ("model.init_std", "model.mod.aux_loss_weight", "model.mod.predi
 
 def model_diff(trained: dict, cfg) -> list[str]:
     """`key: trained -> now` for the model keys (but SAMPLING_FREE) in which `cfg` differs from a
-    checkpoint's recorded config. A key added to the schema since reads as its default."""
-    a = {**flatten(Config().to_dict()), **flatten(trained)}
-    b = flatten(json.loads(json.dumps(cfg.to_dict())))  # tuples as the record's lists
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k.startswith("model.") and k not in SAMPLING_FREE and a.get(k) != b.get(k)]
+    checkpoint's recorded config."""
+    return config_diff(trained, cfg.to_dict(), keep=lambda k: k.startswith("model.") and k not in SAMPLING_FREE)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_source: bool = False):
@@ -347,6 +344,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
         data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
         cfg.data.source = data.get("source", cfg.data.source)
         cfg.data.val_source = data.get("val_source", cfg.data.val_source)
+
     def check_model(trained: dict | None, where: str, record: str) -> None:
         diff = model_diff(trained, cfg) if trained else []  # None: written before the record existed
         if diff:  # config.yaml written back by hand: the weights load (same shapes) into another model

@@ -26,9 +26,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import sysconfig
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import asdict
@@ -415,8 +418,6 @@ def _exit_with_parent(parent: int, scratch: str) -> None:
 def _init_worker(spec: dict, scratch: str | None = None) -> None:
     global _TOK
     if scratch is not None:  # a pool's worker
-        import threading
-
         threading.Thread(target=_exit_with_parent, args=(os.getppid(), scratch), name="mode-parent",
                          daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: data.num_workers is the knob
@@ -443,8 +444,6 @@ def remove_dead_scratch() -> None:
     """Remove the scratch directories of prepares on this host whose process is gone (a SIGKILL of
     a whole prepare, workers included, leaves one): ours by name, host and dead pid, holding only
     batch files; anything else (a live pid, another host's, a file of the user's inside) is kept."""
-    import tempfile
-
     host = socket.gethostname()
     pattern = re.compile(re.escape(f"{SCRATCH}{host}-") + r"(\d+)-\w+")
     for d in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
@@ -496,7 +495,6 @@ def encoder(tok, workers: int):
             os.environ.pop("TOKENIZERS_PARALLELISM") if old is None else os.environ.update(TOKENIZERS_PARALLELISM=old)
         return
     import multiprocessing as mp
-    import tempfile
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
@@ -531,9 +529,6 @@ def encoder(tok, workers: int):
 
         # SIGTERM (scancel, a time limit, `kill`) as an exit, so the pool stops and the batches in
         # the scratch directory go with it; by default the process vanished and left both behind.
-        import signal
-        import threading
-
         main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
         before = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
         try:

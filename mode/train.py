@@ -24,6 +24,7 @@ from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import console, rundir
 from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config
+from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
@@ -43,12 +44,8 @@ class NonFiniteError(RuntimeError):
 
 
 def config_diff(old: dict, new: dict) -> list[str]:
-    # A key added to the schema after a run was saved reads as its default: an older run still
-    # resumes unless the new key is set to something else.
-    a = {**flatten(Config().to_dict()), **flatten(old)}
-    b = flatten(new)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
+    """The differences a resume refuses (all but RESUMABLE_KEYS)."""
+    return keys_diff(old, new, keep=lambda k: not k.startswith(RESUMABLE_KEYS))
 
 
 def schedule_diff(old: dict, new: dict) -> dict[str, tuple]:
