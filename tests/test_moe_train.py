@@ -34,9 +34,20 @@ def test_expert_parallel_matches_ep1(tmp_path, ep2):
 
 
 @pytest.mark.slow
-def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path, ep2):
-    run = [*MOE, "train.max_steps=8", "model.moe.ep_size=2"]
-    deepspeed_train(2, CFG, *run, "train.stop_at=4", f"run.dir={tmp_path / 'resumed'}")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path, request, precision):
+    """bf16 at ZeRO 1 is the cluster presets' setting: DeepSpeed's BF16_Optimizer keeps fp32 master
+    weights and optimizer states, which the exact resume must restore and the other-ep_size resume
+    must rebuild from the saved weights."""
+    extra = ["deepspeed.precision=bf16", "deepspeed.zero_stage=1"] if precision == "bf16" else []
+    run = [*MOE, *extra, "train.max_steps=8", "model.moe.ep_size=2"]
+    half = lambda: deepspeed_train(2, CFG, *run, "train.stop_at=4", f"run.dir={tmp_path / 'resumed'}")
+    if precision == "fp32":
+        ep2 = request.getfixturevalue("ep2")
+        half()
+    else:  # its own straight reference, beside the first half (one thread each)
+        ep2 = tmp_path / "straight"
+        side_by_side(lambda: deepspeed_train(2, CFG, *run, f"run.dir={ep2}"), half)
     shutil.copytree(tmp_path / "resumed", tmp_path / "other")  # the same first half, resumed at ep_size 1 below
     deepspeed_train(2, CFG, *run, f"run.dir={tmp_path / 'resumed'}")
     straight = scalars(ep2, "train/loss")
@@ -50,6 +61,9 @@ def test_moe_resume_exact_same_ep_and_weights_only_at_other_ep(tmp_path, ep2):
     other = scalars(tmp_path / "other", "train/loss")
     # step 5's loss is computed with the weights saved at step 4: the weights were resumed
     assert other[5] == pytest.approx(straight[5], rel=1e-4)
+    # ... and trained on from them: a bf16 run whose fp32 master copy kept its initial values would
+    # put the saved weights back to init's at step 5's update (loss ~5.56 for ~5.1)
+    assert all(other[s] == pytest.approx(straight[s], rel=0.02) for s in (6, 7, 8)), (other, straight)
     assert list(other) == list(range(1, 9))
     # Bug caught: the scheduler started again at 0 (warmup again, the LR of step 1 at step 5)
     assert scalars(tmp_path / "other", "train/lr") == pytest.approx(scalars(ep2, "train/lr"), rel=1e-6)
