@@ -402,11 +402,22 @@ def evaluate(run: str, tasks: list[str], include_path: str | None = None, limit:
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, batch_size=batch_size,
                                       log_samples=False)
     source = getattr(lm, "source", None)  # the weights scored: a run that trains on leaves no doubt
+    model = getattr(getattr(lm, "scorer", None), "model", None)
     res["mode"] = {"written_by": WRITTEN_BY, "run": str(run), "routing": routing,
-                   "weights": str(source) if source is not None else None,
-                   "note": "causal: sampling-time routing (no lookahead)" if routing == "causal"
-                   else "topk: training-time routing (sees the whole window: not sampling-safe)"}
+                   "weights": str(source) if source is not None else None, **scoring_note(model, routing)}
     return res
+
+
+def scoring_note(model, routing: str) -> dict:
+    """What the scores mean (`note`), and whether they are sampling-safe: no token's result depends on
+    later tokens (`sampling_safe`; None for a model this cannot inspect)."""
+    if routing != "causal":
+        return {"note": "topk: training-time routing (sees the whole window: not sampling-safe)", "sampling_safe": False}
+    if model is None or rows_independent(model, routing):
+        return {"note": "causal: sampling-time routing (no lookahead)", "sampling_safe": None if model is None else True}
+    return {"note": "causal depth routing, but expert capacity is shared by the window (model.moe."
+                    f"inference_capacity_factor={model.cfg.moe.inference_capacity_factor}): a token's experts depend "
+                    "on later tokens (lookahead; not sampling-safe)", "sampling_safe": False}
 
 
 WRITTEN_BY = "mode eval"  # in every results file's `mode` entry: proves mode eval wrote it (a rerun may replace it)
@@ -462,6 +473,8 @@ def default_out_name(tasks: list[str], routing: str) -> str:
 def format_table(res: dict) -> str:
     lines = [f"routing={res['mode']['routing']}  run={res['mode']['run']}", "| task | metric | value | stderr |",
              "| --- | --- | --- | --- |"]
+    if res["mode"]["routing"] == "causal" and res["mode"].get("sampling_safe") is False:  # "causal" would mislead
+        lines.insert(1, f"warning: {res['mode']['note']}")
     for task, metrics in res["results"].items():
         for k, v in metrics.items():
             if k in ("alias", "sample_len") or "_stderr" in k or not isinstance(v, (int, float)):

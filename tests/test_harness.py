@@ -259,6 +259,22 @@ def test_shipped_task_runs_from_any_directory(tmp_path, capsys, monkeypatch):
     assert res["bits_per_byte,none"] == pytest.approx(-rolling_ref(model, doc) / len(doc.encode()) / math.log(2), abs=1e-5)
 
 
+@pytest.mark.parametrize("preset,safe", [("moe", True), ("moe+capped", False)])
+def test_causal_scores_of_a_capacity_capped_moe_say_they_look_ahead(tmp_path, capsys, preset, safe):
+    """Bug caught: with model.moe.inference_capacity_factor set, the window's tokens share expert
+    slots, so a token's experts depend on later tokens; the results file still said "causal:
+    sampling-time routing (no lookahead)" and the console only "routing=causal". The file must say
+    sampling_safe false with the reason, and the console warn; a dropless MoE stays sampling-safe."""
+    _, run = fake_run(tmp_path, preset)
+    out = tmp_path / "r.json"
+    assert cli_main(["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--include-path", str(ROOT / "configs/eval"),
+                     "--limit", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    entry, printed = json.loads(out.read_text())["mode"], capsys.readouterr().out
+    assert entry["sampling_safe"] is safe, entry
+    assert ("inference_capacity_factor=1.0" in entry["note"] and "lookahead" in entry["note"]) is not safe, entry
+    assert (f"warning: {entry['note']}" in printed) is not safe, printed
+
+
 def test_own_task_with_relative_data_says_where_it_was_read_from(tmp_path, capsys, monkeypatch):
     """A `dataset_path: json` task's relative data_files are read (by datasets) from the current
     directory: the one line says so instead of only "file not found"."""
@@ -488,8 +504,8 @@ def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stu
     for _ in range(2):  # its own results file: a rerun replaces it
         assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
         assert json.loads(out.read_text())["mode"]["written_by"] == "mode eval"
-    old = json.loads(out.read_text())  # written before the written_by and weights keys existed
-    del old["mode"]["written_by"], old["mode"]["weights"]
+    old = json.loads(out.read_text())  # written before the written_by, weights and sampling_safe keys existed
+    del old["mode"]["written_by"], old["mode"]["weights"], old["mode"]["sampling_safe"]
     out.write_text(json.dumps(old))
     assert cli_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
     assert len(stub_harness) == 3
