@@ -488,9 +488,10 @@ def slurm_ranks_per_node(exp: Experiment) -> int:
 # Validation and status.
 
 
-def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) -> None:
+def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, extra: list[str] | None = None) -> None:
     """Resolve and preflight every run before any starts; a failure names the variant and seed.
-    `prepare_data=False` (--dry-run): the same data checks, nothing prepared or written."""
+    `prepare_data=False` (--dry-run): the same data checks, nothing prepared or written. `extra`:
+    the command-line overrides, for the match_flops variants that --only leaves out."""
     from mode.config import load_config
     from mode.train import preflight
 
@@ -510,7 +511,24 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True) ->
                 raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
             r.status, r.resume_step = status(r)
         if not prepare:
-            check_matched_flops(exp, runs)
+            check_matched_flops(exp, [*runs, *_matched_left_out(exp, runs, extra, world)])
+
+
+def _matched_left_out(exp: Experiment, runs: list[GridRun], extra: list[str] | None, world: int) -> list[GridRun]:
+    """One run of each match_flops variant that --only leaves out, with the same command-line
+    overrides: a selected variant retuned on the command line is still checked against the others."""
+    from mode.config import load_config
+
+    names, out = exp.match_flops.get("variants", []), {r.variant: None for r in runs}
+    for r in expand(exp, None, extra):
+        if r.variant in names and r.variant not in out:
+            try:
+                r.cfg = load_config(r.config, r.overrides, world_size=world)
+            except ConfigError as e:
+                raise ConfigError("variant", msg=f"variant {r.variant} (left out by --only; match_flops compares it): "
+                                  f"{str(e).removeprefix('config error: ')}") from None
+            out[r.variant] = r
+    return [r for r in out.values() if r is not None]
 
 
 def check_matched_flops(exp: Experiment, runs: list[GridRun]) -> dict[str, float]:
@@ -828,7 +846,7 @@ def main(argv=None) -> int:
             from mode.rundir import check_lock
 
             check_lock(exp.runs_dir, key="runs_dir")  # name the other compare, not its trainer
-        validate(exp, runs, prepare_data=not a.dry_run)  # a dry run on a login node streams no corpus
+        validate(exp, runs, prepare_data=not a.dry_run, extra=extra)  # a dry run on a login node streams no corpus
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2

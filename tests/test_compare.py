@@ -382,6 +382,25 @@ def test_a_bad_match_flops_is_refused_not_skipped(tmp_path, capsys, match, expec
     assert not (tmp_path / "runs").exists()
 
 
+def test_only_still_checks_match_flops_against_the_variants_it_leaves_out(tmp_path, capsys):
+    """Bug caught: match_flops was checked over the selected runs alone, so `--only mod` with a
+    command-line override that broke the match (capacity 1.0 -> 0.25 here) trained unchecked."""
+    from mode import compare
+
+    exp = experiment(tmp_path, match_flops={"variants": ["dense", "mod"], "tolerance": 0.1},
+                     variants={"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")},
+                               "mod": {"config": str(ROOT / "configs/tiny/mod.yaml"),
+                                       "overrides": ["model.mod.capacity=1.0"]}})
+    for only in ([], ["--only", "mod"]):  # matched as written
+        assert compare.main([str(exp), *only, "--dry-run"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert compare.main([str(exp), "--only", "mod", "--dry-run", "model.mod.capacity=0.25"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: match_flops: forward FLOPs/token differ by "), err
+    assert "dense=" in err[0] and "mod=" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("key,value,allowed", [
     ("runs_dir", ["a"], "a string (it names a directory)"),  # was run.dir=['a']/dense_seed0
     ("runs_dir", 5, "a string (it names a directory)"),
