@@ -306,40 +306,52 @@ def is_plan(path: Path) -> bool:
 
 
 def not_written_by_compare(d: Path) -> list[str]:
-    """The entries of runs_dir `d` that `mode compare` did not write: anything but its LOCK, its
-    plan (experiment.json, as write_plan writes it), slurm/ holding only its scripts, job ids and
-    job logs, report directories (analysis/outdir.py: `report/` new, empty or a mode report's, or
-    any directory with the report marker) and run directories `<variant>_seed<k>` that are new
-    (empty, or only the SLURM job's slurm/) or mode runs (of this grid, an earlier one with other
-    seeds or variants, or another grid sharing runs_dir). A runs_dir a report was written into
-    (report_dir = runs_dir) may hold its files."""
+    """The entries of runs_dir `d` that `mode compare` did not write (see _not_compares)."""
+    return [why for p in sorted(d.iterdir()) if (why := _not_compares(d, p)) is not None]
+
+
+def _not_compares(d: Path, p: Path) -> str | None:
+    """None when entry `p` of runs_dir `d` is one `mode compare` writes: its LOCK, its plan
+    (experiment.json, as write_plan writes it), slurm/ holding only its scripts, job ids and job
+    logs, report directories (analysis/outdir.py: `report/` new, empty or a mode report's, or any
+    directory with the report marker) and run directories `<variant>_seed<k>` that are new (empty,
+    or only the SLURM job's slurm/) or mode runs (of this grid, an earlier one with other seeds or
+    variants, or another grid sharing runs_dir). A runs_dir a report was written into (report_dir =
+    runs_dir) may hold its files. Else how to name it."""
     from analysis.outdir import REPORT_FILES, has_marker, is_report_dir
     from mode.rundir import JOB_LOGS, LOCK, is_mode_run
 
-    foreign = []
-    for p in sorted(d.iterdir()):
-        n = p.name
-        if n == LOCK and p.is_file() and not p.is_symlink():
-            continue
-        if n == PLAN and p.is_file() and not p.is_symlink():
-            if is_plan(p):
-                continue
-            foreign.append(f"{n} (not mode compare's plan)")
-            continue
-        if n == "slurm" and p.is_dir() and not p.is_symlink() and all(SLURM_FILE_RE.match(q.name) for q in p.iterdir()):
-            continue
-        if p.is_dir() and not p.is_symlink() and (has_marker(p) or (n == "report" and is_report_dir(p))):
-            continue
-        if GRID_RUN_RE.match(n) and p.is_dir() and not p.is_symlink():
-            # new (nothing but the SLURM job's own log, as mode/rundir.py counts it) or a mode run
-            if all(q.name == JOB_LOGS for q in p.iterdir()) or is_mode_run(p):
-                continue
-            foreign.append(f"{n} (not a mode run)")
-            continue
-        if REPORT_FILES.match(n) and has_marker(d):
-            continue
-        foreign.append(n)
-    return foreign
+    n = p.name
+    if n == LOCK and p.is_file() and not p.is_symlink():
+        return None
+    if n == PLAN and p.is_file() and not p.is_symlink():
+        return None if is_plan(p) else f"{n} (not mode compare's plan)"
+    if n == "slurm" and p.is_dir() and not p.is_symlink() and all(SLURM_FILE_RE.match(q.name) for q in p.iterdir()):
+        return None
+    if p.is_dir() and not p.is_symlink() and (has_marker(p) or (n == "report" and is_report_dir(p))):
+        return None
+    if GRID_RUN_RE.match(n) and p.is_dir() and not p.is_symlink():
+        # new (nothing but the SLURM job's own log, as mode/rundir.py counts it) or a mode run
+        return None if all(q.name == JOB_LOGS for q in p.iterdir()) or is_mode_run(p) else f"{n} (not a mode run)"
+    if REPORT_FILES.match(n) and has_marker(d):
+        return None
+    return n
+
+
+def check_outside_grids(out: str, key: str) -> None:
+    """ConfigError (nothing written) when writing `out` (an export, an eval results file) would put
+    an entry into a `mode compare` runs_dir that compare did not write: the grid would then be
+    refused. Inside one of its runs or reports is their own writers' concern."""
+    path = Path(out).expanduser().resolve()
+    for below, d in zip((path, *path.parents), path.parents):
+        try:
+            if (d / PLAN).is_file() and is_plan(d / PLAN):
+                if not below.exists() or _not_compares(d, below) is not None:
+                    raise ConfigError(key, out, f"a path outside the mode compare runs_dir {d} (or inside one of its "
+                                                "runs): a runs_dir holding anything else is refused by mode compare")
+                return
+        except OSError:  # unreadable: not provably a grid
+            pass
 
 
 def check_runs_dir(d: Path, key: str, shown: str) -> None:

@@ -23,6 +23,7 @@ from mode.portable import TOKENIZER_DIR, WEIGHTS, save_weights
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the newest complete checkpoint of `run_dir` as a portable model into `out_dir`,
     which must not exist or be empty (ConfigError otherwise, before anything is written)."""
+    from mode.compare import check_outside_grids
     from mode.config import ConfigError, dump_config
     from mode.generate import load_run
     from mode.rundir import check_outside_runs, parents_made
@@ -34,6 +35,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     if not base.is_dir():
         raise ConfigError("--out", str(out), f"a directory path ({base} is not a directory)")
     check_outside_runs(str(out), "--out")
+    check_outside_grids(str(out), "--out")
     model, tok, cfg, source = load_run(run_dir, return_source=True)
     tok_files = []
     if cfg.data.tokenizer != "byte":

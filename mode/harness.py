@@ -488,6 +488,7 @@ def format_table(res: dict) -> str:
 
 def main(argv=None) -> int:
     from mode.errors import OneLineParser  # bad options: one line, exit 2
+    from mode.compare import check_outside_grids
     from mode.rundir import check_outside_runs
 
     p = OneLineParser(prog="mode eval", description="Evaluate a run with lm-evaluation-harness.")
@@ -517,6 +518,7 @@ def main(argv=None) -> int:
         raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} {why})")
     if a.out:  # the default, RUN/eval/, is the run's own
         check_outside_runs(a.out, "--out", owned="eval")
+        check_outside_grids(a.out, "--out")
     check_out(out, "--out", a.out if a.out else str(out), explicit=bool(a.out))
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     res = evaluate(a.run, tasks, a.include_path, limit, a.batch_size, a.routing)

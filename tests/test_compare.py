@@ -401,6 +401,38 @@ def test_only_still_checks_match_flops_against_the_variants_it_leaves_out(tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
+def test_export_and_eval_out_refuse_a_grids_runs_dir(tmp_path, capsys):
+    """Bug caught: `mode export --out RUNS/x` and `mode eval --out RUNS/x.json` wrote into a compare
+    runs_dir (they refused only paths inside a run), and every later `mode compare` of that grid was
+    refused ("it holds x, which mode compare did not write"). Refused in one line, nothing written;
+    paths beside the grid, and the grid itself, stay as they were."""
+    import importlib.util
+
+    from mode import compare
+    from mode.cli import main as cli_main
+    from tests.util import fake_run
+
+    exp = experiment(tmp_path)
+    ex = compare.load_experiment(str(exp), None)
+    runs = compare.expand(ex)
+    compare.validate(ex, runs, prepare_data=False)
+    compare.write_plan(ex, runs)
+    _, run = fake_run(tmp_path / "runs", "dense", name="dense_seed0")
+    before = sorted((tmp_path / "runs").rglob("*"))
+    outs = [["export", "--run", str(run), "--out", str(tmp_path / "runs" / "my_export")],
+            ["export", "--run", str(run), "--out", str(tmp_path / "runs" / "sub" / "my_export")]]
+    if importlib.util.find_spec("lm_eval"):  # the [eval] extra
+        outs.append(["eval", "--run", str(run), "--tasks", "stdlib_ppl", "--out", str(tmp_path / "runs" / "r.json")])
+    for argv in outs:
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"config error: --out={argv[-1]!r}: a path outside the mode compare "
+                                                   f"runs_dir {tmp_path / 'runs'}"), err
+    assert sorted((tmp_path / "runs").rglob("*")) == before
+    assert compare.not_written_by_compare(tmp_path / "runs") == []  # the grid would still be accepted
+    assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "my_export")]) == 0  # beside the grid
+
+
 @pytest.mark.parametrize("key,value,allowed", [
     ("runs_dir", ["a"], "a string (it names a directory)"),  # was run.dir=['a']/dense_seed0
     ("runs_dir", 5, "a string (it names a directory)"),
