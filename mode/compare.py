@@ -573,11 +573,16 @@ def status(run: GridRun) -> tuple[str, int]:
     return ("done", step) if (d / "DONE").exists() and step >= run.cfg.train.max_steps else ("resume", step)
 
 
-def resume_hint(run: GridRun) -> str:
+def resume_hint(run: GridRun, rc: int = 1) -> str:
     # with run.fresh=true (on the command line or in the experiment) the same command would delete
     # the runs again, this one's progress included: a last override turns it off
-    return ("invoke the same command with run.fresh=false added to resume it" if run.cfg.run.fresh
+    hint = ("invoke the same command with run.fresh=false added to resume it" if run.cfg.run.fresh
             else "invoke the same command again to resume it")
+    if rc == 3:  # mode.train's exit on non-finite values: a plain resume replays the same steps
+        hint = ("it stopped on a non-finite loss or gradient (its message is above); " + hint.replace(" again", "") +
+                " from its last checkpoint, where the same steps are likely to meet it again unless a setting changes "
+                "(train.nonfinite=skip steps past them)")
+    return hint
 
 
 def describe(run: GridRun) -> str:
@@ -956,7 +961,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             rc = run_one(exp, r, env)
             dt = time.perf_counter() - t0
             if rc != 0:
-                log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; {resume_hint(r)}")
+                log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; {resume_hint(r, rc)}")
                 return rc if 0 < rc < 256 else 1
             r.status, r.resume_step = status(r)
             state = "done" if r.status == "done" else f"stopped at step {r.resume_step} (train.stop_at)"

@@ -137,7 +137,7 @@ class GuardedAdamW(torch.optim.AdamW):
                  for p, n in zip(g["params"], ns) if p.grad is not None]
         ps = [p for p, _, _ in named]
         expert = [p for p, _, moe in named if moe]
-        zero = torch.zeros((), device=ps[0].device) if ps else torch.zeros(())
+        zero = torch.zeros((), dtype=torch.float64, device=ps[0].device if ps else None)
         expert_sq = _sq_norm(expert, zero)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if expert and world > 1:  # every rank holds expert params or none: all take this branch or none
@@ -189,11 +189,13 @@ def average_thresholds(model: torch.nn.Module) -> None:
 
 
 def _sq_norm(params: list, zero: torch.Tensor) -> torch.Tensor:
-    """Sum of squared gradient entries in fp32: a few foreach kernels for all tensors (launches
-    are what a small step on a GPU waits on), not three per tensor."""
+    """Sum of squared gradient entries: a few foreach kernels for all tensors (launches are what a
+    small step on a GPU waits on), not three per tensor. Accumulated in float64: in fp32 a sum of
+    squares overflows once the norm passes ~1.8e19, and a step whose gradients are all finite was
+    skipped as non-finite (grad_clip 0 included). Memory-bound either way."""
     if not params:
         return zero
-    return torch.stack(torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)).pow(2).sum()
+    return torch.stack(torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float64)).pow(2).sum()
 
 
 def fused_adamw(model: torch.nn.Module) -> bool:
@@ -261,7 +263,7 @@ class PredictorAdamW:
             torch._foreach_copy_([p.grad for p in ps], [g.view_as(p) for g, p in zip(
                 flat.split([p.numel() for p in ps]), ps)])
         if ps:  # no host sync: clipped by a device-side factor, a non-finite step skipped in the kernel
-            norm = _sq_norm(ps, torch.zeros((), device=ps[0].device)).sqrt()
+            norm = _sq_norm(ps, torch.zeros((), dtype=torch.float64, device=ps[0].device)).sqrt()
             finite = torch.isfinite(norm)
             if self.clip > 0:
                 torch._foreach_mul_([p.grad for p in ps], (self.clip / (norm + 1e-6)).clamp(max=1.0))

@@ -433,6 +433,24 @@ def test_export_and_eval_out_refuse_a_grids_runs_dir(tmp_path, capsys):
     assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "my_export")]) == 0  # beside the grid
 
 
+def test_a_run_stopped_on_non_finite_values_is_not_called_resumable_as_is(tmp_path):
+    """Bug caught: a grid run that stopped on a non-finite loss (mode.train's exit 3) was followed by
+    "invoke the same command again to resume it", which replays the same steps into the same stop.
+    Exit 3 says why and what changes it; other failures keep the plain hint (run.fresh: with its undo)."""
+    from mode import compare
+
+    for fresh in (False, True):
+        ex = compare.load_experiment(str(experiment(tmp_path, overrides=[*TINY, f"run.fresh={fresh}"])), None)
+        [r, _] = compare.expand(ex)
+        compare.validate(ex, [r], prepare_data=False)
+        plain = "invoke the same command with run.fresh=false added to resume it" if fresh \
+            else "invoke the same command again to resume it"
+        assert compare.resume_hint(r, 1) == plain
+        h = compare.resume_hint(r, 3)
+        assert h.startswith("it stopped on a non-finite loss or gradient") and "train.nonfinite=skip" in h, h
+        assert ("run.fresh=false added" in h) is fresh, h
+
+
 @pytest.mark.parametrize("key,value,allowed", [
     ("runs_dir", ["a"], "a string (it names a directory)"),  # was run.dir=['a']/dense_seed0
     ("runs_dir", 5, "a string (it names a directory)"),

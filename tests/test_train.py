@@ -251,6 +251,35 @@ def test_guarded_adamw_clips_by_the_global_norm_like_torch(dtype, fused):
         assert torch.allclose(p.double(), r, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_guarded_adamw_takes_a_step_whose_huge_gradients_are_all_finite(dtype, fused):
+    """Bug caught: the squared norms were summed in fp32, which overflows once the global norm passes
+    ~1.8e19: a step whose gradients were all finite (norm ~5e20 here) was skipped as non-finite, with
+    no parameter to name and a message blaming ZeRO or bf16 (grad_clip 0 too). The norm must equal
+    float64's and the clipped update torch's."""
+    import torch
+
+    from mode.engine import GuardedAdamW
+
+    dt = getattr(torch, dtype)
+    ps, ref = _params_with_grads(0, dt), _params_with_grads(0, torch.float64)
+    for p in ps:
+        p.grad = p.grad * 1e20
+    norm64 = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ps)))
+    assert 1e20 < norm64 < 3.4e38 and all(torch.isfinite(p.grad).all() for p in ps)
+    opt = GuardedAdamW(_groups(ps), clip=1.0, names={}, lr=0.1, weight_decay=0.0, fused=fused)
+    opt.step()
+    assert not opt.overflow and opt.bad_params == [] and abs(opt._global_grad_norm - norm64) <= 1e-6 * norm64
+    for p, q in zip(ref, _params_with_grads(0, dt)):
+        p.data, p.grad = q.data.double(), q.grad.double() * 1e20
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    torch.optim.AdamW(ref, lr=0.1, weight_decay=0.0, foreach=False).step()
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for p, r in zip(ps, ref):
+        assert torch.allclose(p.double(), r, atol=tol, rtol=tol)
+
+
 def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
     import torch
 
