@@ -54,10 +54,23 @@ def _last_log_steps(runs: list[RunLog]) -> str:
 
 
 def median_after_warmup(run: RunLog, tag: str) -> float | None:
-    _, v = run.series(tag)
+    """Median without each process's first logged point (its warm-up: start-up, compiling, caches),
+    the run's first and the first after every resume (run_info.json's `resumes`)."""
+    steps, v = run.series(tag)
     if v.size == 0:
         return None
-    return float(np.median(v[1:] if v.size > 1 else v))
+    starts = {0}
+    for r in run.info.get("resumes") or []:
+        try:
+            starts.add(int(r["step"]))
+        except (KeyError, TypeError, ValueError):
+            continue  # a run_info.json written by hand or by an older version
+    warm = np.ones(v.size, dtype=bool)
+    for s in starts:
+        after = np.flatnonzero(steps > s)
+        if after.size:
+            warm[after[0]] = False
+    return float(np.median(v[warm] if warm.any() else v))
 
 
 def layer_mean_of_last(run: RunLog, prefix: str, name: str) -> float | None:
@@ -399,8 +412,26 @@ def per_layer_processed(runs: list[RunLog]) -> dict[str, tuple[np.ndarray, str]]
             continue
         logged = [f for f in (processed_frac_from_logs(r) for r in vruns) if f is not None]
         if logged and len({f.shape for f in logged}) == 1:
-            out[variant] = (np.mean(logged, axis=0), "logs")
+            out[variant] = (np.mean(logged, axis=0), _logs_source(next(p for p in map(run_plan, vruns) if p)))
     return out
+
+
+def _logs_source(plan) -> str:
+    """Which of the logs' pieces a variant's per-layer fractions come from (their words in the report)."""
+    from mode.plan import has_depth_routing, has_moe
+
+    return {(True, True): "logs", (False, True): "logs-moe", (True, False): "config-mod"}.get(
+        (has_depth_routing(plan), has_moe(plan)), "config")
+
+
+SOURCE_TEXT = {
+    "routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
+    "logs": "the training logs (MoD capacity × the last logged fraction of tokens a real expert processed, "
+            "`engaged_frac`; 1 in a layer that routes nothing)",
+    "logs-moe": "the training logs (the last logged fraction of tokens a real expert processed, `engaged_frac`; 1 "
+                "in a dense layer)",
+    "config-mod": "the configuration (MoD capacity as whole tokens, k/S; 1 in a layer that routes nothing)",
+    "config": "the configuration (no routing: every block processes every token)"}
 
 
 def split_decoupled(runs: list[RunLog], processed: dict[str, dict[int, float]], causal: dict[str, dict[int, float]],
@@ -617,7 +648,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
               "stopped early is not averaged with the others' later losses; a range: seeds evaluated at different steps (another `train.eval_every`), each read at its last evaluation up to the range's end; a seed's nan, a diverged run, makes the "
               "variant's nan; `(n=k)`: only k of the seeds have the value, e.g. one not evaluated yet); tokens/s and step time are "
-              "medians over logged points without the first (warm-up); routing fractions are the last logged value averaged over routed "
+              "medians over logged points without each process's first (warm-up: the run's first and the first after each resume); routing fractions are the last logged value averaged over routed "
               "layers (predictor acc: of the causal predictor, of the learned threshold (`causal=threshold`), "
               "or of the router's sign rule without either); dropped tokens (a share of tokens) and no-op (a share "
               "of routes) count only what the MoE layer sees: inside a depth-routed block (staged MoDE) the "
@@ -666,12 +697,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     lines += ["## Per-layer routing", ""]
     if processed:
         last_log = _last_log_steps(runs)
-        src_text = {"routing.pt": "routing.pt (one eval batch under top-k routing, after the last step)",
-                    "logs": "the training logs (MoD capacity × the last logged fraction of tokens a real expert "
-                            "processed, `engaged_frac`; 1 in a layer that routes nothing)"}
         split = sorted({v.rsplit(" (", 1)[0] for v in processed_data if v not in processed})
         lines += ["Fraction of tokens each block processes: "
-                  + ", ".join(f"`{v}` from {src_text[src]}" for v, (_, src) in processed.items() if v not in split)
+                  + ", ".join(f"`{v}` from {SOURCE_TEXT[src]}" for v, (_, src) in processed.items() if v not in split)
                   + "".join(f"; `{v}` (decoupled routing) one row per router, attention and MLP, from the training "
                             "logs" for v in split) + ". "
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
