@@ -1058,6 +1058,15 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
 
 
+def data_identity(manifest: dict) -> dict:
+    """What a checkpoint records of the tokens it was trained on: the tokenizer, and a hash of the
+    source files' fingerprint and each split's size (not its sharding, which may change). A rebuild
+    of unchanged files (`--force`, another prepared_dir) keeps it; an edited file or tokenizer does not."""
+    splits = {k: {f: v.get(f) for f in ("tokens", "documents", "bytes")} for k, v in manifest["splits"].items()}
+    blob = json.dumps({"fingerprint": manifest.get("fingerprint", []), "splits": splits}, sort_keys=True)
+    return {"tokenizer_sha256": manifest["tokenizer"]["sha256"], "sha256": hashlib.sha256(blob.encode()).hexdigest()}
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity (a SLURM allocation or `taskset` on a big
     node), not every core of the machine."""

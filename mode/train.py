@@ -26,6 +26,7 @@ from mode import console, rundir
 from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config
 from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
+from mode.prepare import data_identity
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
 from mode.metrics import TRAIN_FLOPS_PER_FORWARD_FLOP, Accumulator, default_peak_tflops, efficiency, memory_gb
@@ -369,6 +370,15 @@ class Trainer:
             raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained with a "
                               f"different config ({'; '.join(diff)}); start it with that config, or start over with "
                               "run.fresh=true or another run.dir")
+        # ... and of its data: a rebuilt prepared_dir (an edited source, another tokenizer.json) passes
+        # every config check, and the weights would go on training on other tokens
+        trained_on, now = client.get("data"), data_identity(self.data.manifest)
+        if trained_on and trained_on != now:
+            why = ("the tokenizer file changed" if trained_on.get("tokenizer_sha256") != now["tokenizer_sha256"]
+                   else "its source files or splits changed")
+            raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained on other "
+                              f"data than {self.data.path} holds ({why} since); resume it on that data, or start over "
+                              "with run.fresh=true or another run.dir")
         self.step, self.tokens = client["step"], client["tokens"]
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again
@@ -390,7 +400,7 @@ class Trainer:
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
                  "world_size": self.world, "lr_steps": self.sched.last_epoch,  # skipped steps do not count
                  "consecutive_bad": self.consecutive_bad,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "data": data_identity(self.data.manifest)}
         if self.pred_opt:
             state["predictor_optim"] = self.pred_opt.state_dict()
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,
