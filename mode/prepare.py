@@ -70,6 +70,23 @@ def held_out_named(f: str) -> bool:
     return shard or parts[-1] in HELD_OUT_NAMES
 
 
+def held_out_folder(f: str, spec: str) -> str | None:
+    """The folder named as a held-out split (validation/, test/: train/ + test/ layouts) between
+    the source `spec` (a directory, or a glob's fixed prefix) and data file `f`, or None."""
+    if Path(f).suffix.lower() not in DATA_SUFFIXES:
+        return None
+    root = os.path.expanduser(spec)
+    if re.search(r"[*?[]", root):  # a glob: its fixed prefix
+        root = os.path.join(".", *itertools.takewhile(lambda x: not re.search(r"[*?[]", x), Path(root).parts))
+    elif not os.path.isdir(root):  # a file: nothing between
+        return None
+    parts = Path(os.path.relpath(f, root)).parts[:-1]
+    for i, part in enumerate(parts):
+        if part.lower() in HELD_OUT_NAMES:
+            return os.path.normpath(os.path.join(root, *parts[: i + 1]))
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizers
 
@@ -300,12 +317,14 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     # A data file named as a held-out split beside the training files: with val_fraction alone, whole
     # files would be drawn into either split (a text file is one document), and the validation file
     # trained on. Refused: the user says which file is which.
-    held = [f for f in files if held_out_named(f)]
+    held = [("file", f) if held_out_named(f) else ("folder", d) for f in files
+            if held_out_named(f) or (d := held_out_folder(f, spec))]
     if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
-        raise ConfigError("data.val_source", "", f"the held-out file in data.source={spec}: set "
-                          f"data.val_source={held[0]} (its documents become the validation set and are never "
-                          f"trained on), or leave files named {'/'.join(HELD_OUT_NAMES)} (or numbered shards of "
-                          "them, or names ending in them) out of data.source")
+        kind, path = held[0]
+        raise ConfigError("data.val_source", "", f"the held-out {kind} in data.source={spec}: set "
+                          f"data.val_source={path} (its documents become the validation set and are never "
+                          f"trained on), or leave files and folders named {'/'.join(HELD_OUT_NAMES)} (files: or "
+                          "numbered shards of them, or names ending in them) out of data.source")
     if local:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")

@@ -230,6 +230,35 @@ def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
     assert prep.read_manifest(path)["splits"]["val"]["documents"] >= 1
 
 
+@pytest.mark.parametrize("held", ["validation", "test", "Valid"])
+@pytest.mark.parametrize("glob_spec", [False, True])
+def test_a_held_out_folder_in_the_source_needs_val_source(tmp_path, held, glob_spec):
+    """Bug caught: only file names were looked at, so d/train/ + d/validation/ (or test/: aclImdb's
+    layout) was one pool: the validation folder's documents were trained on and validation drawn from
+    both. Refused in one line naming the folder to set as val_source; the same with a glob over the
+    folders. A held-out name above the source (the user chose it) or on a code folder is not."""
+    d = tmp_path / "corpus"
+    for sub, text in (("train", "training text "), (held, "held out text ")):
+        (d / sub).mkdir(parents=True)
+        for i in range(3):
+            (d / sub / f"part{i}.jsonl").write_text(json.dumps({"text": text * 20}) + "\n")
+    spec = str(d / "*" / "*.jsonl") if glob_spec else str(d)
+    with pytest.raises(ConfigError, match=rf"^config error: data.val_source='': the held-out folder in "
+                                          rf"data.source={re.escape(spec)}: set data.val_source={d / held} "):
+        prep.prepare(dcfg(tmp_path, source=spec), progress=False)
+    path = prep.prepare(dcfg(tmp_path, source=spec, val_source=str(d / held)), progress=False)
+    m = prep.read_manifest(path)
+    assert m["splits"]["train"]["documents"] == 3 and m["splits"]["val"]["documents"] == 3
+    # the user pointed at the held-out folder itself, or code sits in a test/ folder: nothing to refuse
+    prep.prepare(dcfg(tmp_path, source=str(d / held), val_fraction=0.4), progress=False)
+    code = tmp_path / "project"
+    for f, text in (("src/a.txt", "training text " * 20), ("src/b.txt", "more text " * 20),
+                    ("test/test_x.py", "def test():\n    pass\n" * 20)):
+        (code / f).parent.mkdir(parents=True, exist_ok=True)
+        (code / f).write_text(text)
+    prep.prepare(dcfg(tmp_path, source=str(code), val_fraction=0.4), progress=False)
+
+
 def test_val_source_is_never_trained_on(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
