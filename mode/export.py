@@ -46,7 +46,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         tok_files = [(f, "tokenizer.json")] + ([(conf, conf.name)] if conf.is_file() else [])
         cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
     # missing parents are made for the export and removed again if it fails
-    with parents_made(out.absolute().parent):
+    with parents_made(out.absolute().parent, key="--out", value=str(out)):
         tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
         tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
         try:

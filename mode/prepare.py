@@ -897,6 +897,10 @@ def check_place(cfg: DataConfig) -> None:
     base = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     if not base.is_dir():
         raise ConfigError("data.prepared_dir", cfg.prepared_dir, f"a directory path ({base} is a file)")
+    from mode.rundir import RUN_PROOFS, check_outside_runs
+
+    # the prepared directories would become foreign entries of a run, which then refuses to resume
+    check_outside_runs(cfg.prepared_dir, "data.prepared_dir", proofs=RUN_PROOFS)
 
 
 def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path:
@@ -915,7 +919,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
     check_place(cfg)
     from mode.rundir import parents_made
 
-    with parents_made(out.parent, undo_on=(ConfigError,)):  # bad input: the directories made for it go too
+    with parents_made(out.parent, undo_on=(ConfigError,), key="data.prepared_dir", value=cfg.prepared_dir):  # bad
+        # input: the directories made for it go too
         return _prepare_locked(cfg, tok, out, force, progress)
 
 

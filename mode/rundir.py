@@ -74,11 +74,19 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def parents_made(d: Path, undo_on: tuple = (BaseException,)):
+def parents_made(d: Path, undo_on: tuple = (BaseException,), key: str | None = None, value=None):
     """`mkdir -p d` for the block; if it raises one of `undo_on`, the directories this made are
-    removed again (innermost first, only while empty): a refused command leaves no empty folders."""
+    removed again (innermost first, only while empty): a refused command leaves no empty folders.
+    With `key`, a place where no directory can be made (/proc, a read-only mount: root passes
+    os.access there) is a ConfigError naming key=value."""
     made = missing_dirs(d)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if key is None:
+            raise
+        remove_made(made)
+        raise ConfigError(key, value, f"a place where a directory can be made ({e.filename}: {e.strerror})") from None
     try:
         yield d
     except undo_on:

@@ -154,8 +154,7 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
     prepared, run = Path(cfg.data.prepared_dir).expanduser().resolve(), Path(cfg.run.dir).expanduser().resolve()
     if prepared == run or run in prepared.parents:  # the start would refuse the run it prepared into
         raise ConfigError("data.prepared_dir", cfg.data.prepared_dir, f"a directory outside run.dir ({cfg.run.dir})")
-    rundir.check_outside_runs(cfg.data.prepared_dir, "data.prepared_dir", below_only=True,
-                              proofs=rundir.RUN_PROOFS)  # nor inside another run
+    rundir.check_outside_runs(cfg.data.prepared_dir, "data.prepared_dir", proofs=rundir.RUN_PROOFS)  # nor (in) another run
     check_data(cfg, write=prepare_data)
     return saved
 

@@ -259,6 +259,27 @@ def test_a_held_out_folder_in_the_source_needs_val_source(tmp_path, held, glob_s
     prep.prepare(dcfg(tmp_path, source=str(code), val_fraction=0.4), progress=False)
 
 
+def test_prepared_dir_in_or_at_a_run_or_where_nothing_can_be_made_is_one_config_error(tmp_path):
+    """Bugs caught: data.prepared_dir=RUN or RUN/checkpoints was accepted (only paths below RUN were
+    looked at, and `mode data prepare` looked at none): its prepared directories became foreign
+    entries of that run, which then refused to resume or start fresh ("which mode did not write").
+    A prepared_dir under /proc was a FileNotFoundError traceback line, exit 1."""
+    import dataclasses
+
+    from tests.util import fake_run
+
+    _, run = fake_run(tmp_path, "dense")
+    before = sorted(run.rglob("*"))
+    for place in (run, run / "checkpoints", run / "data"):
+        with pytest.raises(ConfigError, match=rf"^config error: data.prepared_dir='{place}': a path outside the run "
+                                              rf"directory {run}: "):
+            prep.prepare(dataclasses.replace(dcfg(tmp_path), prepared_dir=str(place)), progress=False)
+    assert sorted(run.rglob("*")) == before
+    with pytest.raises(ConfigError, match=r"^config error: data.prepared_dir='/proc/mode-x/p': a place where a "
+                                          r"directory can be made \(/proc/mode-x"):
+        prep.prepare(dataclasses.replace(dcfg(tmp_path), prepared_dir="/proc/mode-x/p"), progress=False)
+
+
 def test_val_source_is_never_trained_on(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
