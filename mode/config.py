@@ -719,6 +719,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: List[str] | No
     return _build(Config, apply_overrides(d, list(overrides or []))).validate(world_size)
 
 
+def typed_dict(d: dict) -> dict:
+    """A config dict with its values typed as load_config types them (YAML 1.1 reads `1e-06`, no
+    dot, as a string); as written when it does not build (a key this version does not know)."""
+    try:
+        return _build(Config, d).to_dict()
+    except (ConfigError, TypeError):
+        return d
+
+
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 

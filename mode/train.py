@@ -23,7 +23,7 @@ import yaml
 from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import console, rundir
-from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config
+from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config, typed_dict
 from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
 from mode.prepare import data_identity
@@ -66,8 +66,8 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         if n:  # resuming would load them under whatever config this start has, schedule included
             raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds {n} checkpoints but no config.yaml, so "
                               "the config they were trained with cannot be checked; write back the config it was "
-                              "started with (its TensorBoard TEXT tab holds a copy), or use another run.dir "
-                              "(run.fresh=true deletes them)")
+                              "started with (each checkpoint's config.json and the TensorBoard TEXT tab hold a copy), "
+                              "or use another run.dir (run.fresh=true deletes them)")
         return None
     try:
         old = yaml.safe_load(saved.read_text())
@@ -76,8 +76,10 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     if not isinstance(old, dict):
         what = "empty" if old is None else "not a readable config"
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml is {what}, so the run cannot be "
-                          f"resumed; write back the config it was started with ({n} checkpoints wait for it; its "
-                          "TensorBoard TEXT tab holds a copy), or use another run.dir (run.fresh=true deletes them)")
+                          f"resumed; write back the config it was started with ({n} checkpoints wait for it; their "
+                          "config.json and the TensorBoard TEXT tab hold a copy), or use another run.dir (run.fresh=true "
+                          "deletes them)")
+    old = typed_dict(old)  # a config written back by hand (from a checkpoint's config.json) may hold `1e-06`
     diff = config_diff(old, cfg.to_dict())
     sched = schedule_diff(old, cfg.to_dict())
     if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference

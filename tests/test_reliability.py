@@ -390,6 +390,27 @@ def test_a_run_with_checkpoints_but_no_config_is_not_resumed_under_another_confi
     assert check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "run.fresh=true"])) is None
 
 
+def test_a_config_written_back_from_a_checkpoints_config_json_resumes(tmp_path):
+    """Bug caught: config.yaml written back from a checkpoint's config.json (JSON is YAML; the
+    no-config refusal asks for this) was refused as another config: PyYAML reads `1e-06` (no dot) as
+    a string, and the saved config was compared as written (`model.norm_eps: '1e-06' -> 1e-06`). A
+    real difference is still refused."""
+    import json
+
+    from mode.config import ConfigError, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    (d / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (d / "run_info.json").write_text('{"world_size": 1}')
+    cfg = load_config(CFG, [*TINY, f"run.dir={d}"])
+    assert cfg.model.norm_eps < 1e-4 and "e-0" in json.dumps(cfg.model.norm_eps)  # written without a dot
+    (d / "config.yaml").write_text(json.dumps(cfg.to_dict(), indent=1))
+    assert check_run_dir(cfg)["model"]["norm_eps"] == cfg.model.norm_eps
+    with pytest.raises(ConfigError, match=r"holds a run with a different config \(optim.weight_decay: 0.1 -> 0.5\)"):
+        check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "optim.weight_decay=0.5"]))
+
+
 def test_a_requeued_slurm_job_resumes_the_run_it_started_fresh(tmp_path):
     """Bug caught: a job with run.fresh=true that SLURM requeued re-ran its command and deleted what
     it had trained before the requeue. Fresh still holds for another job, a first start and a
