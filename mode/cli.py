@@ -31,12 +31,15 @@ def _flops(argv) -> int:
         if not Path(a.match).is_file():
             raise ConfigError("--match", a.match, "an existing YAML file")
         target = count(load_config(a.match))["forward_flops_per_token"]
+        ends = [count(load_config(a.config, a.overrides + [f"{a.knob}={x}"]))["forward_flops_per_token"]
+                for x in (1e-3, 1.0)]
+        if ends[0] == ends[1]:  # e.g. model.mod.capacity of a config without depth-routed layers
+            raise ConfigError("--knob", a.knob, f"a field that changes this config's FLOPs/token ({ends[0]:.6g} at "
+                              "0.001 and at 1 here)")
         v = solve_knob(cfg, a.knob, target, 1e-3, 1.0)
         cfg = load_config(a.config, a.overrides + [f"{a.knob}={v}"])
         got = count(cfg)["forward_flops_per_token"]
-        if abs(got / target - 1) > 0.02:  # the knob does not act here (dense) or cannot go that far
-            ends = [count(load_config(a.config, a.overrides + [f"{a.knob}={x}"]))["forward_flops_per_token"]
-                    for x in (1e-3, 1.0)]
+        if abs(got / target - 1) > 0.02:  # the knob cannot go that far
             raise ConfigError("--match", a.match, msg=f"--match={a.match}: its {target:.6g} FLOPs/token is out of "
                               f"reach of {a.knob} in [0.001, 1], which gives {ends[0]:.6g} to {ends[1]:.6g} here "
                               "(2% allowed, as match_flops)")

@@ -135,18 +135,24 @@ def test_match_solves_the_mod_capacity(knob, capsys):
     assert out["forward_flops_per_token"] == pytest.approx(got["forward_flops_per_token"], rel=1e-4)
 
 
-@pytest.mark.parametrize("config,other", [("dense", "mod"), ("mod", "moe")])
-def test_match_out_of_reach_is_refused(config, other, capsys):
-    """Bug caught: dense --match mod printed `model.mod.capacity=0.001` (the knob does nothing in a
-    dense model) and mod --match moe printed capacity 1 still 23% short, both with exit 0."""
+@pytest.mark.parametrize("config,other", [("dense", "mod"), ("mod", "moe"), ("dense", "dense"),
+                                          ("mode_integrated", "dense")])
+def test_match_out_of_reach_or_by_a_knob_without_effect_is_refused(config, other, capsys):
+    """Bugs caught: dense --match mod printed `model.mod.capacity=0.001` (the knob does nothing in a
+    dense model) and mod --match moe printed capacity 1 still 23% short, both with exit 0; then
+    dense --match dense and integrated MoDE (no depth-routed layer) --match dense printed 0.001, exit 0,
+    the target being within 2% of what the knob leaves unchanged."""
     from mode.cli import main
 
     target = count(load_config(ROOT / f"configs/tiny/{other}.yaml"))["forward_flops_per_token"]
     assert main(["flops", "--config", str(ROOT / f"configs/tiny/{config}.yaml"),
                  "--match", str(ROOT / f"configs/tiny/{other}.yaml")]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [err.strip()] and err.startswith(
-        f"config error: --match={ROOT}/configs/tiny/{other}.yaml: its {target:.6g} FLOPs/token is out of reach"), err
+    if config == "mod":
+        expect = f"config error: --match={ROOT}/configs/tiny/{other}.yaml: its {target:.6g} FLOPs/token is out of reach"
+    else:
+        expect = "config error: --knob='model.mod.capacity': a field that changes this config's FLOPs/token ("
+    assert out == "" and err.splitlines() == [err.strip()] and err.startswith(expect), err
 
 
 def test_flops_bad_option_is_one_line(capsys):
