@@ -179,7 +179,8 @@ def _data(argv) -> int:
     print(f"{done} {path}: train {sp['train']['tokens']:,} tokens / {sp['train']['documents']:,} documents, "
           f"val {sp['val']['tokens']:,} tokens / {sp['val']['documents']:,} documents "
           f"({m['dtype']}, vocab {m['vocab_size']}, EOS {m['eos_id']}; {m['tokens_per_s']:,} tokens/s "
-          f"over the whole prepare{', when it was made' if done != 'prepared' else ''})")
+          f"over {'the resumed part of the' if m.get('resumed') else 'the whole'} prepare"
+          f"{', when it was made' if done != 'prepared' else ''})")
     return 0
 
 

@@ -1014,6 +1014,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     st = _resume_state(tmp, key)
     train = ShardWriter(tmp, "train", dtype, cfg.shard_tokens, st and st["train"])
     val = ShardWriter(tmp, "val", dtype, cfg.shard_tokens, st and st["val"])
+    resumed_tokens = train.tokens + val.tokens  # written by a killed prepare: not this process's rate
     phase, read, n, dup = (st["phase"], st["read"], st["n"], st["dup"]) if st else (
         "val" if val_docs is not None else "train", 0, 0, 0)
     seen = set(np.load(tmp / "val_hashes.npy").tolist()) if st and (tmp / "val_hashes.npy").is_file() else set()
@@ -1079,7 +1080,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             "splits": {"train": train.summary(), "val": val.summary()},
             "train_documents_dropped_as_validation_duplicates": dup,
             "fingerprint": key["fingerprint"], "seconds": round(dt, 3), "resumed": bool(st),
-            "tokens_per_s": round((train.tokens + val.tokens) / max(dt, 1e-9)), "workers": workers}
+            "tokens_per_s": round((train.tokens + val.tokens - resumed_tokens) / max(dt, 1e-9)), "workers": workers}
 
 
 def data_identity(manifest: dict) -> dict:

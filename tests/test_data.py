@@ -627,9 +627,15 @@ def test_interrupted_prepare_resumes_after_its_last_complete_shard(corpus, tmp_p
     progress = json.loads((tmp / "progress.json").read_text())
     assert not out.exists() and progress["train"]["shards"] and progress["read"] > 0
     first = (tmp / "train_00000.bin").stat().st_ino
-    assert prep.prepare(cfg, progress=False) == out and not tmp.exists()
+    clock = iter(range(10**6))  # whole seconds: the manifest's rate and time are exact
+    with monkeypatch.context() as mp:
+        mp.setattr(prep.time, "perf_counter", lambda: float(next(clock)))
+        assert prep.prepare(cfg, progress=False) == out and not tmp.exists()
     m, mc = prep.read_manifest(out), prep.read_manifest(clean)
     assert m["resumed"] and m["splits"] == mc["splits"] and (out / "train_00000.bin").stat().st_ino == first
+    # the rate is this process's: tokens the killed prepare wrote are not divided by its time (bug: they were)
+    total, before = (sum(x[k]["tokens"] for k in ("train", "val")) for x in (m["splits"], progress))
+    assert 0 < before < total and m["tokens_per_s"] == round((total - before) / m["seconds"]), (m, before)
     for f in sorted(clean.glob("*.bin")) + sorted(clean.glob("*.npy")):
         assert f.read_bytes() == (out / f.name).read_bytes(), f.name
     assert not (set(documents(out, "train")) & set(documents(out, "val")))
