@@ -348,7 +348,7 @@ def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -
 
 
 def main(argv=None) -> int:
-    a = parser().parse_args(argv)
+    a = parser().parse_intermixed_args(argv)  # overrides before or after the options, as in `mode train`
     from mode.compare import PORT, is_port  # the rule of an experiment's launcher_options
     from mode.config import ConfigError
 

@@ -22,7 +22,7 @@ def _flops(argv) -> int:
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
     p.add_argument("--knob", default="model.mod.capacity", help="float field tuned by --match")
     p.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides before or after the options, as in `mode train`
     cfg = load_config(a.config, a.overrides)
     if a.match:
         _check_knob(cfg, a.knob)
@@ -155,7 +155,7 @@ def _data(argv) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--force", action="store_true", help="rebuild a stale prepared directory (only that one)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
-    a = p.parse_args(argv[1:])
+    a = p.parse_intermixed_args(argv[1:])  # overrides before or after the options, as in `mode train`
     from mode.config import load_config
     from mode.data import check_data, check_vocab
     from mode.prepare import MANIFEST, prepare, prepared_path, read_manifest

@@ -1079,8 +1079,10 @@ def test_data_prepare_says_when_the_data_was_prepared_already(tmp_path, corpus, 
     argv = ["data", "prepare", "--config", str(ROOT / "configs/tiny/dense.yaml"), f"data.source={corpus / 'txt'}",
             f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=1", "log.progress=false"]
     outs = []
-    for extra in ([], [], ["--force"]):  # --force over data that is current is a no-op too
-        assert main(argv + extra) == 0
+    # --force over data that is current is a no-op too; overrides may come before --config, as for
+    # `mode train` (bug caught: `unrecognized arguments`)
+    for args in (argv, [*argv[:2], argv[4], *argv[2:4], *argv[5:]], argv + ["--force"]):
+        assert main(args) == 0
         outs.append(capsys.readouterr().out.strip())
     assert outs[0].startswith("prepared ") and "tokens/s over the whole prepare)" in outs[0], outs
     assert all(o.startswith("already prepared ") and o.endswith(", when it was made)") for o in outs[1:]), outs

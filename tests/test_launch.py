@@ -207,6 +207,24 @@ def test_torchrun_on_several_nodes_needs_the_master_address(capsys):
     assert '--master_addr "${MASTER_ADDR:-}"' in script  # the script passes no default address for it to take
 
 
+def test_overrides_may_come_before_the_options_as_for_mode_train(capsys, tmp_path):
+    """Bug caught: `python -m launch.run --num_gpus 2 model.d_model=64 --config F run.dir=X` (accepted
+    by `mode train`) failed with `unrecognized arguments`; so did `mode flops`."""
+    import json
+
+    from launch.run import main
+    from mode.cli import main as cli_main
+    from mode.config import load_config
+    from mode.flops import count
+
+    assert main(["--num_gpus", "1", "model.d_model=64", "--dry-run", "--config", "configs/tiny/dense.yaml",
+                 f"run.dir={tmp_path / 'r'}"]) == 0, capsys.readouterr().err
+    assert f"--config configs/tiny/dense.yaml model.d_model=64 run.dir={tmp_path / 'r'}" in capsys.readouterr().out
+    assert cli_main(["flops", "model.d_model=64", "--config", "configs/tiny/dense.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == count(load_config("configs/tiny/dense.yaml",
+                                                                             ["model.d_model=64"]))["params"]
+
+
 def test_ports_and_node_ranks_are_checked_before_launch(capsys, monkeypatch):
     """Bug caught: a port outside 1-65535, a node rank outside 0..nodes-1, and torchrun on several
     nodes without --node_rank (rank 0 on every node) passed --dry-run and failed only once the
