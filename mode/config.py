@@ -376,7 +376,7 @@ class TrainConfig:
     eval_every: int = 50
     """Evaluate every N steps (and at the end); 0 = only at the end."""
     eval_batches: int = 4
-    """Micro-batches per evaluation on each rank: an evaluation reads the first eval_batches × micro_batch_size × world-size windows of the validation split (the same ones every time), so the world size changes how much is evaluated (`mode analyze` never averages runs of different world sizes)."""
+    """Micro-batches per evaluation on each rank: an evaluation reads the first eval_batches × micro_batch_size × world-size windows of the validation split (the same ones every time; past the split's end it wraps around, and the start warns), so the world size changes how much is evaluated (`mode analyze` never averages runs of different world sizes)."""
     log_every: int = 10
     """Read metrics from the device, reduce across ranks and write TensorBoard every N steps."""
     nonfinite: str = "skip"

@@ -91,6 +91,19 @@ def schedule_warning(cfg: Config) -> str | None:
             f"optim.lr={o.lr} (no cosine decay)")
 
 
+def eval_repeat_warning(cfg: Config, n_val: int, world: int) -> str | None:
+    """An evaluation larger than the validation split reads its windows again (val_rows wraps):
+    the loss is still their mean, but the evaluation costs more than it measures. Said once."""
+    t = cfg.train
+    rows = t.eval_batches * t.micro_batch_size * world
+    if t.eval_every <= 0 or rows <= n_val:
+        return None
+    return (f"warning: an evaluation reads {rows} windows (train.eval_batches={t.eval_batches} x "
+            f"train.micro_batch_size={t.micro_batch_size} x {world} rank(s)) but the validation split holds {n_val} of "
+            f"data.seq_len={cfg.data.seq_len}: each is evaluated about {rows / n_val:.3g} times; a smaller "
+            "train.eval_batches (or more validation text) evaluates each once")
+
+
 def progress_line(step: int, max_steps: int, vals: dict) -> str:
     """One plain line per log interval."""
     parts = [f"step {step}/{max_steps}", f"loss {vals['train/loss']:.4f}", f"lr {vals['train/lr']:.3g}",

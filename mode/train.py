@@ -299,8 +299,9 @@ class Trainer:
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, self.peak_src),
                                       self.step), flush=True)
-            if warning := console.schedule_warning(cfg):
-                print(warning, flush=True)
+            for warning in (console.schedule_warning(cfg), console.eval_repeat_warning(cfg, self.data.n_val, self.world)):
+                if warning:
+                    print(warning, flush=True)
             sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}
             if sched:
                 note = (f"schedule changed at resumed step {self.step}: "

@@ -1071,6 +1071,29 @@ def test_data_prepare_checks_the_vocabulary_before_tokenizing(tmp_path, corpus, 
     assert not prepared.exists()
 
 
+def test_an_evaluation_larger_than_the_validation_split_is_one_warning(tmp_path, corpus):
+    """Bug caught: a small validation split (a val_source of one short document) was read over and
+    over by every evaluation (val_rows wraps), silently. The start says so once, with the repeat
+    factor the evaluation really has; an evaluation that fits, or none, says nothing."""
+    from mode.console import eval_repeat_warning
+
+    over = [f"data.source={corpus / 'txt'}", f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1",
+            "data.seq_len=16", "data.val_fraction=0.1", "train.micro_batch_size=8"]
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.eval_batches=10"])
+    prep.prepare(cfg.data, progress=False)
+    dm = DataModule(cfg.data)
+    rows = [r for b in dm.val_rows(10, 8) for r in b]
+    assert len(set(rows)) == dm.n_val < len(rows)  # every window, read len(rows) / n_val times
+    line = eval_repeat_warning(cfg, dm.n_val, 1)
+    assert line.startswith(f"warning: an evaluation reads 80 windows (train.eval_batches=10 x train.micro_batch_size=8 "
+                           f"x 1 rank(s)) but the validation split holds {dm.n_val} of data.seq_len=16: each is "
+                           f"evaluated about {80 / dm.n_val:.3g} times"), line
+    fits = load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.eval_batches=1", "train.micro_batch_size=1"])
+    assert eval_repeat_warning(fits, dm.n_val, 1) is None
+    assert eval_repeat_warning(load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.eval_every=0"]),
+                               dm.n_val, 1) is None
+
+
 def test_data_prepare_says_when_the_data_was_prepared_already(tmp_path, corpus, capsys):
     """A rerun found the data prepared and did nothing, yet printed `prepared ...` with a rate, as if
     it had tokenized the corpus again."""
