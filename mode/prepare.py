@@ -307,6 +307,9 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     if which == "val_source" and not looks_local(spec):  # a split of the hub source
         if (looks_local(cfg.source) or cfg.source == "stdlib") and not is_dataset_repo(cfg.source):
             raise ConfigError(key, spec, "an existing file, directory or glob (a split name needs a hub data.source)")
+        if spec == cfg.hub_split:  # every training document would be held out: none left to train on
+            raise ConfigError(key, spec, f"a split other than data.hub_split={cfg.hub_split!r} (the validation "
+                              "documents are never trained on)")
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
     files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]

@@ -746,6 +746,11 @@ def test_hub_config_picks_the_configuration(tmp_path):
         prep.prepare(dcfg(tmp_path, source=str(d)), progress=False)  # several configs: one must be named
     with pytest.raises(ConfigError, match=r"^config error: data.hub_config='en': empty for local files"):
         prep.prepare(dcfg(tmp_path, source=str(d / "alpha"), hub_config="en"), progress=False)
+    # the training split as val_source (bug caught: "a corpus with at least one non-empty training document")
+    with pytest.raises(ConfigError, match=r"^config error: data.val_source='validation': a split other than "
+                                          r"data.hub_split='validation' \(the validation documents are never trained"):
+        prep.prepare(dcfg(tmp_path, source=str(d), hub_config="alpha", hub_split="validation",
+                          val_source="validation"), progress=False)
 
 
 def test_hub_config_is_part_of_the_prepared_data_identity(tmp_path):
