@@ -86,13 +86,13 @@ def _generate(argv) -> int:
     p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt); "
                    "blank lines are skipped")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax; --top-k/--top-p unused)")
+    p.add_argument("--temperature", type=float, default=0.8, help="default 0.8 (sampled); 0 = greedy (argmax; --top-k/--top-p unused)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this mass; 1 = all")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="a row stops as soon as its text holds this string, cut before it (repeatable); "
                         "a row also stops at EOS")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the sampling draws (default 0)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt and line: prompt, completion, num_tokens")
     a = p.parse_args(argv)
