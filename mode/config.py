@@ -465,7 +465,7 @@ class LogConfig:
 @dataclass
 class PerfConfig:
     peak_tflops: float = 0.0
-    """Peak TFLOP/s per device that perf/mfu divides by; 0 = the datasheet value for A100/H100/H200 at deepspeed.precision, on CPU the best fp32 matmul rate measured at start by this and earlier runs on the machine (kept in the virtualenv: one busy moment cannot deflate it)."""
+    """Peak TFLOP/s per device that perf/mfu divides by; 0 = the datasheet value for A100/H100/H200 at deepspeed.precision, on CPU the best matmul rate measured at start by this and earlier runs on the machine, in the dtype the step's GEMMs run in (bf16 on CPUs with bf16 kernels, else fp32; kept in the virtualenv: one busy moment cannot deflate it)."""
 
     def validate(self) -> None:
         _check(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0, "perf.peak_tflops", self.peak_tflops,

@@ -73,7 +73,7 @@ PEAK_TFLOPS = {"H100 PCIe": {"bf16": 756.0, "fp32": 51.0}, "H100 NVL": {"bf16": 
 
 
 def measure_matmul_tflops(seconds: float = 0.3, n: int = 512, dtype=torch.float32) -> float:
-    """fp32 matmul TFLOP/s of this process (its threads) on the CPU: the peak MFU is measured
+    """Matmul TFLOP/s of this process (its threads) in `dtype` on the CPU: the peak MFU is measured
     against when no datasheet value applies. The best of ~10 short windows, so that other jobs
     on a shared machine lower it less."""
     import time
@@ -100,7 +100,7 @@ def peak_cache() -> Path | None:
     return Path(sys.prefix) / "mode_cpu_peak.json" if sys.prefix != sys.base_prefix else None
 
 
-def cpu_peak_tflops(measured: float, cache: Path | None) -> tuple[float, str]:
+def cpu_peak_tflops(measured: float, cache: Path | None, gemm: str = "fp32") -> tuple[float, str]:
     """The best of this measurement and those of earlier runs on this CPU model at this thread
     count. One 0.3 s measurement on a shared machine can catch other jobs (a peak 6x too low was
     seen, and MFU above 100% with it); the best seen so far converges to what the cores can do."""
@@ -111,7 +111,7 @@ def cpu_peak_tflops(measured: float, cache: Path | None) -> tuple[float, str]:
     threads = torch.get_num_threads()
     info = Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
     cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), platform.processor())
-    key = f"{cpu} | {os.cpu_count()} cpus | {threads} threads"
+    key = f"{cpu} | {os.cpu_count()} cpus | {threads} threads" + ("" if gemm == "fp32" else f" | {gemm}")
     seen = {}
     if cache is not None:
         try:
@@ -129,7 +129,7 @@ def cpu_peak_tflops(measured: float, cache: Path | None) -> tuple[float, str]:
             os.replace(tmp, cache)  # atomic: a reader sees the old or the new file
         except OSError:
             pass  # a read-only environment: this run's measurement is still used
-    src = f"measured fp32 matmul ({threads} thread{'' if threads == 1 else 's'})"
+    src = f"measured {gemm} matmul ({threads} thread{'' if threads == 1 else 's'})"
     if best > measured:
         src += f", best on this machine ({measured:.3g} this run)"
     return best, src
@@ -143,7 +143,13 @@ def default_peak_tflops(precision: str) -> tuple[float, str]:
             if gpu in name:
                 return peaks[precision], f"{gpu} {precision} datasheet"
         return float("nan"), f"unknown GPU {name!r}: set perf.peak_tflops"
-    return cpu_peak_tflops(measure_matmul_tflops(), peak_cache())
+    from mode.engine import native_bf16_gemms
+
+    # the GEMMs a step runs: bf16 where the CPU has bf16 kernels (its bf16 peak is ~2-4x fp32's:
+    # against the fp32 peak a bf16 run's MFU read high); else bf16 runs its GEMMs in fp32 (Fp32Gemms)
+    bf16 = precision == "bf16" and native_bf16_gemms(torch.device("cpu"))
+    return cpu_peak_tflops(measure_matmul_tflops(dtype=torch.bfloat16 if bf16 else torch.float32), peak_cache(),
+                           "bf16" if bf16 else "fp32")
 
 
 def memory_gb(device: torch.device) -> float:

@@ -126,6 +126,29 @@ def test_cpu_peak_is_the_best_measured_on_this_machine(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mode_cpu_peak.json"]  # no temporary left
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_cpu_peak_of_a_bf16_run_is_measured_in_the_gemms_it_runs(tmp_path, monkeypatch, native):
+    """Bug caught: on a CPU with bf16 GEMM kernels (avx512_bf16, AMX: ~2-4x fp32's rate) a bf16 run's
+    MFU was measured against the fp32 matmul peak, so it read high. The peak is measured in the
+    dtype the step's GEMMs run in (fp32 without bf16 kernels: Fp32Gemms) and remembered apart."""
+    import mode.engine
+    import mode.metrics as m
+
+    seen = []
+    monkeypatch.setattr(mode.engine, "native_bf16_gemms", lambda dev: native)
+    monkeypatch.setattr(m, "peak_cache", lambda: tmp_path / "mode_cpu_peak.json")
+    real = m.measure_matmul_tflops
+    monkeypatch.setattr(m, "measure_matmul_tflops", lambda **kw: (seen.append(kw.get("dtype")), real(0.02, 64, **kw))[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, src = m.default_peak_tflops("bf16")
+    assert seen == [torch.bfloat16 if native else torch.float32]
+    assert src.startswith(f"measured {'bf16' if native else 'fp32'} matmul"), src
+    m.default_peak_tflops("fp32")
+    assert seen[-1] == torch.float32
+    cache = tmp_path / "c.json"  # a bf16 peak never stands in for the fp32 one, nor the reverse
+    assert m.cpu_peak_tflops(0.5, cache, "bf16")[0] == 0.5 and m.cpu_peak_tflops(0.1, cache)[0] == 0.1
+
+
 def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
     """Bug caught: with output redirected to a file (every cluster job), preparing the data at the
     start of a run wrote tqdm's carriage-return redraws into the log. Now: plain lines, the last
