@@ -780,7 +780,8 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
             break
     if why:
         raise ConfigError("data.prepared_dir", cfg.prepared_dir,
-                          f"{path} is stale ({'; '.join(why[:4])}); {REBUILD}")
+                          f"{path} is stale ({'; '.join(why[:4])}); {REBUILD}; a run with checkpoints from the "
+                          "old data will not resume on the rebuilt data")
     bad = damaged_files(path, manifest)
     if bad:
         more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
