@@ -468,6 +468,8 @@ MUTANTS = [
      "if t.eval_every <= 0 or rows <= n_val:", "if True:", ["tests/test_data.py"]),
     ("val_source = the training hub split accepted", "mode/prepare.py",
      "        if spec == cfg.hub_split:", "        if False:", ["tests/test_data.py"]),
+    ("bf16 at ZeRO 0 keeps DeepSpeed's zero-gradient AdamW warm-up step", "mode/engine.py",
+     "    undo_warm_up_step(opt)\n", "", ["tests/test_bf16.py"]),
     ("mode data prepare refuses overrides on both sides of --config", "mode/cli.py",
      "a = p.parse_intermixed_args(argv[1:])", "a = p.parse_args(argv[1:])", ["tests/test_data.py"]),
 ]
