@@ -168,19 +168,27 @@ def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
 
 
 def test_readme_documents_every_model_metric():
-    """Every per-layer tag any preset's forward emits is in README's "What gets logged"."""
+    """Every per-layer tag any preset's forward emits is in README's "What gets logged", decoupled
+    routing's included: its `mod_attn/`, `mod_mlp/` tags by the README's rule that they repeat the
+    `mod/` rows (bug caught: a decoupled preset failed this test, which read only table rows)."""
     from mode.config import load_config
     from mode.model import build_model
 
     docs = documented_tags()
-    for preset in sorted((ROOT / "configs/tiny").glob("*.yaml")):
-        cfg = load_config(preset, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=16"])
+    rule = "logs the same `mod/` tags per sublayer under\n`mod_attn/layerN/` and `mod_mlp/layerN/`"
+    assert rule in readme_logged_section()
+    docs |= {t.replace("mod/", f"{p}/", 1) for t in docs if t.startswith("mod/") for p in ("mod_attn", "mod_mlp")}
+    cases = [(p, []) for p in sorted((ROOT / "configs/tiny").glob("*.yaml"))]
+    cases.append((ROOT / "configs/tiny/mod.yaml", ["model.mod.decoupled=true", "model.mod.attn_capacity=0.5"]))
+    for preset, over in cases:
+        cfg = load_config(preset, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=16", *over])
         torch.manual_seed(0)
         model = build_model(cfg.model).train()
         x = torch.randint(0, 256, (2, 16))
         out = model(x, x)
+        assert out.metrics or preset.name == "dense.yaml", preset.name
         missing = {generic(k) for k in out.metrics} - docs
-        assert not missing, f"{preset.name}: undocumented tags {missing}"
+        assert not missing, f"{preset.name} {over}: undocumented tags {missing}"
 
 
 def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatch):
