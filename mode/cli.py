@@ -73,6 +73,10 @@ def _check_knob(cfg, knob: str) -> None:
         hint = f"; did you mean {'.'.join(path)}.{close[0]}?" if close else ""
         raise ConfigError("--knob", knob, "a float field of the config (e.g. model.mod.capacity, "
                           f"model.moe.capacity_factor){hint}")
+    value = getattr(node, last)
+    if isinstance(value, list):  # a per-layer schedule: one solved value would replace it silently
+        raise ConfigError("--knob", knob, f"a field holding one value (this config gives a per-layer list, {value}: "
+                          "--match solves one value for every layer; set it to one value to solve it)")
 
 
 def _generate(argv) -> int:

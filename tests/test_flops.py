@@ -161,6 +161,12 @@ def test_flops_bad_option_is_one_line(capsys):
     # a missing --match file is named as --match (it was reported as --config)
     assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--match", "nope.yaml"]) == 2
     assert capsys.readouterr().err.strip() == "config error: --match='nope.yaml': an existing YAML file"
+    # a per-layer capacity list is not replaced by one solved value in silence (it printed 0.972656, exit 0)
+    assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "model.mod.capacity=[0.5,0.25]", "--match",
+                 str(ROOT / "configs/tiny/dense.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: --knob='model.mod.capacity': a field holding one value "
+                                               "(this config gives a per-layer list, [0.5, 0.25]: --match solves one "
+                                               "value for every layer; set it to one value to solve it)")
     # a misspelt --knob gets the config's "did you mean", as a misspelt key does
     assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--match", str(ROOT / "configs/tiny/dense.yaml"),
                  "--knob", "model.mod.capcity"]) == 2
