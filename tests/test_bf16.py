@@ -83,18 +83,12 @@ def test_bf16_at_zero_0_starts_adamw_as_fp32_does(monkeypatch):
 
     from tests.util import free_port
 
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)  # a world of one, in this process
-    ours = not dist.is_initialized()
-    eng.init_distributed()
-    try:
-        _first_bf16_step_at_zero_0()
-    finally:
-        if ours:
-            dist.destroy_process_group()
-
-
-def _first_bf16_step_at_zero_0():
+    if not dist.is_initialized():  # a world of one in this process, kept (DeepSpeed caches its groups)
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(free_port())).items():
+            monkeypatch.setenv(k, v)
+        eng.init_distributed()
+    monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it
     cfg = load_config("configs/tiny/dense.yaml", [*TINY, "deepspeed.precision=bf16", "deepspeed.zero_stage=0",
                                                   "optim.grad_clip=0", "optim.weight_decay=0", "optim.warmup_steps=0"])
     torch.manual_seed(0)
