@@ -1088,12 +1088,24 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
 
 
 def data_identity(manifest: dict) -> dict:
-    """What a checkpoint records of the tokens it was trained on: the tokenizer, and a hash of the
-    source files' fingerprint and each split's size (not its sharding, which may change). A rebuild
-    of unchanged files (`--force`, another prepared_dir) keeps it; an edited file or tokenizer does not."""
-    splits = {k: {f: v.get(f) for f in ("tokens", "documents", "bytes")} for k, v in manifest["splits"].items()}
-    blob = json.dumps({"fingerprint": manifest.get("fingerprint", []), "splits": splits}, sort_keys=True)
-    return {"tokenizer_sha256": manifest["tokenizer"]["sha256"], "sha256": hashlib.sha256(blob.encode()).hexdigest()}
+    """What a checkpoint records of the tokens it was trained on: the tokenizer, and each split's
+    token, document and byte counts (not its sharding, which may change, nor the source's paths and
+    mtimes: a corpus moved or copied to another disk is the same data). A rebuild after an edit that
+    keeps every count (a same-length edit with a byte tokenizer) goes unseen."""
+    return {"tokenizer_sha256": manifest["tokenizer"]["sha256"],
+            "splits": {k: {f: v.get(f) for f in ("tokens", "documents", "bytes")}
+                       for k, v in sorted(manifest["splits"].items())}}
+
+
+def data_change(old: dict, new: dict) -> str | None:
+    """How the data a checkpoint recorded (data_identity) differs from `new`, or None."""
+    if old == new:
+        return None
+    if old.get("tokenizer_sha256") != new["tokenizer_sha256"]:
+        return "the tokenizer file changed"
+    counts = [f"{k} {f} {v} -> {new['splits'].get(k, {}).get(f)}" for k, c in (old.get("splits") or {}).items()
+              for f, v in c.items() if new["splits"].get(k, {}).get(f) != v]
+    return "; ".join(counts) or "its splits changed"
 
 
 def usable_cores() -> int:

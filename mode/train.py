@@ -26,7 +26,7 @@ from mode import console, rundir
 from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config, typed_dict
 from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
-from mode.prepare import data_identity
+from mode.prepare import data_change, data_identity
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
 from mode.metrics import TRAIN_FLOPS_PER_FORWARD_FLOP, Accumulator, default_peak_tflops, efficiency, memory_gb
@@ -374,10 +374,8 @@ class Trainer:
                               "run.fresh=true or another run.dir")
         # ... and of its data: a rebuilt prepared_dir (an edited source, another tokenizer.json) passes
         # every config check, and the weights would go on training on other tokens
-        trained_on, now = client.get("data"), data_identity(self.data.manifest)
-        if trained_on and trained_on != now:
-            why = ("the tokenizer file changed" if trained_on.get("tokenizer_sha256") != now["tokenizer_sha256"]
-                   else "its source files or splits changed")
+        why = data_change(client["data"], data_identity(self.data.manifest)) if client.get("data") else None
+        if why:
             raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained on other "
                               f"data than {self.data.path} holds ({why} since); resume it on that data, or start over "
                               "with run.fresh=true or another run.dir")
