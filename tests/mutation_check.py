@@ -470,6 +470,9 @@ MUTANTS = [
      "        if spec == cfg.hub_split:", "        if False:", ["tests/test_data.py"]),
     ("bf16 at ZeRO 0 keeps DeepSpeed's zero-gradient AdamW warm-up step", "mode/engine.py",
      "    undo_warm_up_step(opt)\n", "", ["tests/test_bf16.py"]),
+    ("native MoE experts drawn from other keys than DeepSpeed's (backends start apart)", "mode/moe/native.py",
+     '            w.init_keys = [f"layer{layer_idx}.expert{g}.{part}.weight" for g in range(self.E)]\n', "",
+     ["tests/test_moe.py"]),
     ("mode data prepare refuses overrides on both sides of --config", "mode/cli.py",
      "a = p.parse_intermixed_args(argv[1:])", "a = p.parse_args(argv[1:])", ["tests/test_data.py"]),
 ]

@@ -547,6 +547,35 @@ def test_megablocks_layout_written_by_hand_converts_to_native(mlp):
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_native_and_deepspeed_backends_start_from_the_same_weights(ds_world, mlp):
+    """Bug caught: at the same seed the native and DeepSpeed MoE backends drew their experts and
+    routers from different keys (the parameters' names differ), so a backend comparison seed for
+    seed started from different weights (tiny preset: step-0 eval 5.750088 vs 5.749751). Every
+    parameter, expert by global index, must now be equal, and so the logits."""
+    from mode.model import build_model
+    from mode.moe.deepspeed import DeepSpeedMoE, _expert_views
+
+    over = ["model.d_model=24", "model.n_layers=2", "model.n_heads=2", "model.d_ff=40", f"model.mlp={mlp}",
+            "model.moe.num_experts=4", "model.moe.capacity_factor=null", "model.moe.layers=[1]"]
+    models = {}
+    for backend in ("native", "deepspeed"):
+        torch.manual_seed(3)
+        models[backend] = build_model(load_config("configs/tiny/moe.yaml", [*over, f"model.moe.backend={backend}"]).model)
+    nat, ds = (dict(m.named_parameters()) for m in models.values())
+    shared = [n for n in nat if n in ds]  # all but the MoE layer's, named apart
+    assert shared and all(torch.equal(nat[n], ds[n]) for n in shared)
+    [ds_layer] = [m for m in models["deepspeed"].modules() if isinstance(m, DeepSpeedMoE)]
+    [nat_layer] = [m for m in models["native"].modules() if isinstance(m, NativeMoE)]
+    (rn, _, in_n, out_n), (rd, _, in_d, out_d) = _expert_views(nat_layer), _expert_views(ds_layer)
+    assert torch.equal(rn, rd) and len(in_n) == len(in_d) == 4
+    assert all(torch.equal(a, b) for a, b in zip(in_n + out_n, in_d + out_d))
+    assert not torch.equal(in_n[0], in_n[1])  # the experts differ from each other
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(models["native"](x).logits, models["deepspeed"](x).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mlp,precision", [("swiglu", "bf16"), ("gelu", "fp32")])
 def test_deepspeed_checkpoint_files_load_into_native(ds_world, tmp_path, monkeypatch, mlp, precision):
     """A checkpoint written by DeepSpeed's own engine.save_checkpoint (through mode.checkpoint.save:

@@ -173,8 +173,15 @@ def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None =
     Each parameter draws from its own generator seeded by (seed, its name), so the init does not
     depend on which other parameters exist: an expert-parallel layer holding only its rank's
     experts names them by global expert index (`p.init_key`) and gets the same weights as ep=1.
+    Native MoE's stacked experts [E, in, out] draw each expert as the DeepSpeed layer's Linear
+    weight [out, in] of the same key (`p.init_keys`), and both routers share a key: the backends
+    start from the same weights at the same seed.
     """
     import zlib
+
+    def keyed_randn(key: str, shape) -> torch.Tensor:
+        g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(key.encode())) % 2**63)
+        return torch.randn(shape, generator=g, dtype=torch.float32)
 
     seed = torch.initial_seed() if seed is None else seed
     with torch.no_grad():
@@ -184,8 +191,10 @@ def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None =
                 # MegaBlocks experts' `w2` (its [E*F, D] down projection)
                 out = name.endswith(("out.weight", "w_out.weight", "w_out", "experts.mlp.w2"))
                 s = std / math.sqrt(2 * n_layers) if out else std
-                g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(getattr(p, "init_key", name).encode()))
-                                                  % 2**63)
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+                keys = getattr(p, "init_keys", None)
+                if keys is not None:
+                    p.copy_(torch.stack([keyed_randn(k, (p.shape[2], p.shape[1])).t() for k in keys]) * s)
+                else:
+                    p.copy_(keyed_randn(getattr(p, "init_key", name), p.shape) * s)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)

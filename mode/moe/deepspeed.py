@@ -95,6 +95,7 @@ class DeepSpeedMoE(MoEBase):
                        drop_tokens=cf is not None, use_rts=False, top2_2nd_expert_sampling=False)
         if not stock_gate:
             self.moe.deepspeed_moe.gate = RouterGate(ExpertRouter(cfg.d_model, m))
+            self.moe.deepspeed_moe.gate.router.weight.init_key = f"layer{layer_idx}.router.weight"  # native's key
         else:
             self._stock = None
             self.moe.deepspeed_moe.gate.register_forward_hook(self._capture_stock)

@@ -58,8 +58,10 @@ class NativeMoE(MoEBase):
         self.router = ExpertRouter(cfg.d_model, moe)
         self.w_in = nn.Parameter(torch.empty(self.E, cfg.d_model, (2 if cfg.mlp == "swiglu" else 1) * d_ff))
         self.w_out = nn.Parameter(torch.empty(self.E, d_ff, cfg.d_model))
-        for w in (self.w_in, self.w_out):  # the LM re-initialises (w_out scaled by depth)
-            nn.init.normal_(w, std=cfg.init_std)
+        for w, part in ((self.w_in, "w_in"), (self.w_out, "w_out")):  # the LM re-initialises (w_out scaled by
+            nn.init.normal_(w, std=cfg.init_std)  # depth), keyed as the DeepSpeed layer's experts are
+            w.init_keys = [f"layer{layer_idx}.expert{g}.{part}.weight" for g in range(self.E)]
+        self.router.weight.init_key = f"layer{layer_idx}.router.weight"
         # Padded groups of C rows per expert when dropping (static shapes, no host sync) or exact
         # groups of the kept routes; None = padded on accelerators, exact on CPU.
         self.padded_groups: bool | None = None
