@@ -531,16 +531,16 @@ def _matched_left_out(exp: Experiment, runs: list[GridRun], extra: list[str] | N
     overrides: a selected variant retuned on the command line is still checked against the others."""
     from mode.config import load_config
 
-    names, out = exp.match_flops.get("variants", []), {r.variant: None for r in runs}
+    names, have, out = exp.match_flops.get("variants", []), {r.variant for r in runs}, {}
     for r in expand(exp, None, extra):
-        if r.variant in names and r.variant not in out:
+        if r.variant in names and r.variant not in have | out.keys():
             try:
                 r.cfg = load_config(r.config, r.overrides, world_size=world)
             except ConfigError as e:
                 raise ConfigError("variant", msg=f"variant {r.variant} (left out by --only; match_flops compares it): "
                                   f"{str(e).removeprefix('config error: ')}") from None
             out[r.variant] = r
-    return [r for r in out.values() if r is not None]
+    return list(out.values())
 
 
 def check_matched_flops(exp: Experiment, runs: list[GridRun]) -> dict[str, float]:
@@ -576,13 +576,12 @@ def status(run: GridRun) -> tuple[str, int]:
 def resume_hint(run: GridRun, rc: int = 1) -> str:
     # with run.fresh=true (on the command line or in the experiment) the same command would delete
     # the runs again, this one's progress included: a last override turns it off
-    hint = ("invoke the same command with run.fresh=false added to resume it" if run.cfg.run.fresh
-            else "invoke the same command again to resume it")
+    cmd = "the same command with run.fresh=false added" if run.cfg.run.fresh else "the same command"
     if rc == 3:  # mode.train's exit on non-finite values: a plain resume replays the same steps
-        hint = ("it stopped on a non-finite loss or gradient (its message is above); " + hint.replace(" again", "") +
-                " from its last checkpoint, where the same steps are likely to meet it again unless a setting changes "
+        return (f"it stopped on a non-finite loss or gradient (its message is above); invoke {cmd} to resume it from "
+                "its last checkpoint, where the same steps are likely to meet it again unless a setting changes "
                 "(train.nonfinite=skip steps past them)")
-    return hint
+    return f"invoke {cmd}{'' if run.cfg.run.fresh else ' again'} to resume it"
 
 
 def describe(run: GridRun) -> str:

@@ -70,9 +70,12 @@ def held_out_named(f: str) -> bool:
     return shard or parts[-1] in HELD_OUT_NAMES
 
 
-def held_out_folder(f: str, spec: str) -> str | None:
-    """The folder named as a held-out split (validation/, test/: train/ + test/ layouts) between
-    the source `spec` (a directory, or a glob's fixed prefix) and data file `f`, or None."""
+def held_out(f: str, spec: str) -> tuple[str, str] | None:
+    """("file", f) for a data file named as a held-out split, ("folder", F) for one under a folder F
+    so named (validation/, test/: train/ + test/ layouts) between the source `spec` (a directory, or
+    a glob's fixed prefix) and the file; else None."""
+    if held_out_named(f):
+        return "file", f
     if Path(f).suffix.lower() not in DATA_SUFFIXES:
         return None
     root = os.path.expanduser(spec)
@@ -83,7 +86,7 @@ def held_out_folder(f: str, spec: str) -> str | None:
     parts = Path(os.path.relpath(f, root)).parts[:-1]
     for i, part in enumerate(parts):
         if part.lower() in HELD_OUT_NAMES:
-            return os.path.normpath(os.path.join(root, *parts[: i + 1]))
+            return "folder", os.path.normpath(os.path.join(root, *parts[: i + 1]))
     return None
 
 
@@ -320,8 +323,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     # A data file named as a held-out split beside the training files: with val_fraction alone, whole
     # files would be drawn into either split (a text file is one document), and the validation file
     # trained on. Refused: the user says which file is which.
-    held = [("file", f) if held_out_named(f) else ("folder", d) for f in files
-            if held_out_named(f) or (d := held_out_folder(f, spec))]
+    held = [h for f in files if (h := held_out(f, spec))]
     if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
         kind, path = held[0]
         raise ConfigError("data.val_source", "", f"the held-out {kind} in data.source={spec}: set "
