@@ -35,7 +35,8 @@ Launchers:
 - `deepspeed`: the launch wrapper (`python -m launch.run`) with `launcher_options`
   `hostfile` (relative to the current directory), `num_nodes`, `num_gpus` (per node),
   `master_addr`, `master_port`, `ssh_port`, `launcher_args` (passed to DeepSpeed's runner), `env`
-  (mapping exported to every rank on every node).
+  (mapping exported to every rank on every node). Without a hostfile (one node) and without
+  `master_port` or MASTER_PORT, each run gets a free port instead of DeepSpeed's 29500.
 - `slurm`: writes one replayable submit script per unfinished run to `runs_dir/slurm/<run>.sh`
   (the environment the job needs: this interpreter as PYTHON, PYTHONPATH, PATH, SLURM_CONF, the
   variables launch/run.py passes to ranks, GPUS_PER_NODE set from the grid (a value in the user's
@@ -478,6 +479,12 @@ def command(exp: Experiment, run: GridRun) -> list[str]:
                 cmd += [f"--{k}={o[k]}"] if k == "launcher_args" else [f"--{k}", str(o[k])]
         if "num_gpus" not in o and "hostfile" not in o:
             cmd += ["--num_gpus", str(exp.nproc)]
+        if "hostfile" not in o and "master_port" not in o and "MASTER_PORT" not in os.environ:
+            # one node: a free port, so two grids (or a grid and a `deepspeed` job) on one machine
+            # do not both take DeepSpeed's 29500; several nodes must agree on theirs
+            from mode.engine import free_port
+
+            cmd += ["--master_port", str(free_port())]
         for k, v in (o.get("env") or {}).items():
             cmd += ["--env", f"{k}={v}"]
         return cmd + ["--config", run.config, *run.overrides]

@@ -476,6 +476,8 @@ MUTANTS = [
      ["tests/test_moe.py"]),
     ("mode data prepare refuses overrides on both sides of --config", "mode/cli.py",
      "a = p.parse_intermixed_args(argv[1:])", "a = p.parse_args(argv[1:])", ["tests/test_data.py"]),
+    ("one-node deepspeed grid runs all take port 29500", "mode/compare.py",
+     '            cmd += ["--master_port", str(free_port())]\n', "", ["tests/test_compare.py"]),
 ]
 
 

@@ -1030,3 +1030,28 @@ def test_rerunning_a_grid_into_its_own_runs_dir_keeps_working(tmp_path, monkeypa
     assert sorted(p.name for p in runs.iterdir()) == ["LOCK", "dense_seed0", "dense_seed1", "experiment.json",
                                                       "mod_seed0", "report", "slurm", "wide_report", "wide_seed0"]
     assert (runs / "report" / MARKER).is_file() and (runs / "wide_report" / MARKER).is_file()
+
+
+def test_one_node_deepspeed_grid_takes_a_free_port(tmp_path, monkeypatch):
+    """Without a hostfile every run went to DeepSpeed's port 29500: a second grid, or any `deepspeed`
+    job, on the same machine made the run fail (EADDRINUSE). One node gets a free port; a hostfile,
+    `master_port` or MASTER_PORT keeps the port the user gave (several nodes must agree on it)."""
+    from mode import compare
+    import launch.run as lr
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options={"num_gpus": 2}))
+    cmd = compare.command(exp, compare.expand(exp)[0])
+    port = lr.parser().parse_args(cmd[cmd.index("launch.run") + 1:]).master_port
+    assert port is not None and port != lr.DEFAULT_PORT, cmd
+    import socket
+
+    with socket.socket() as s:  # free when chosen: nothing listens there
+        s.bind(("127.0.0.1", port))
+    for opts in ({"hostfile": "h"}, {"num_gpus": 2, "master_port": 29600}):
+        exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options=opts))
+        cmd = compare.command(exp, compare.expand(exp)[0])
+        assert lr.parser().parse_args(cmd[cmd.index("launch.run") + 1:]).master_port == opts.get("master_port"), cmd
+    monkeypatch.setenv("MASTER_PORT", "29700")
+    exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options={"num_gpus": 2}))
+    assert "--master_port" not in compare.command(exp, compare.expand(exp)[0])
