@@ -104,6 +104,18 @@ def eval_repeat_warning(cfg: Config, n_val: int, world: int) -> str | None:
             "train.eval_batches (or more validation text) evaluates each once")
 
 
+def bf16_sum_warning(cfg: Config, world: int) -> str | None:
+    """bf16 at ZeRO 0 with gradients summed over micro-steps or ranks: DeepSpeed sums them in bf16
+    there (it refuses fp32 accumulation at stage 0; measured 3.1e-3 relative error at grad_accum 4
+    against 2e-9 at ZeRO 1) and its optimizer wrapper reads the device once per gradient tensor."""
+    ds, accum = cfg.deepspeed, cfg.train.grad_accum
+    if ds.precision != "bf16" or ds.zero_stage > 0 or (accum == 1 and world == 1):
+        return None
+    return (f"warning: deepspeed.precision=bf16 at deepspeed.zero_stage=0 sums the gradients of "
+            f"train.grad_accum={accum} micro-steps x {world} rank(s) in bf16 (DeepSpeed allows fp32 sums only "
+            "at ZeRO 1/2) and reads the device once per gradient tensor: deepspeed.zero_stage=1 does neither")
+
+
 def progress_line(step: int, max_steps: int, vals: dict) -> str:
     """One plain line per log interval."""
     parts = [f"step {step}/{max_steps}", f"loss {vals['train/loss']:.4f}", f"lr {vals['train/lr']:.3g}",

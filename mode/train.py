@@ -299,7 +299,8 @@ class Trainer:
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, self.peak_src),
                                       self.step), flush=True)
-            for warning in (console.schedule_warning(cfg), console.eval_repeat_warning(cfg, self.data.n_val, self.world)):
+            for warning in (console.schedule_warning(cfg), console.eval_repeat_warning(cfg, self.data.n_val, self.world),
+                            console.bf16_sum_warning(cfg, self.world)):
                 if warning:
                     print(warning, flush=True)
             sched = schedule_diff(saved, cfg.to_dict()) if saved and self.step else {}

@@ -478,6 +478,9 @@ MUTANTS = [
      "a = p.parse_intermixed_args(argv[1:])", "a = p.parse_args(argv[1:])", ["tests/test_data.py"]),
     ("one-node deepspeed grid runs all take port 29500", "mode/compare.py",
      '            cmd += ["--master_port", str(free_port())]\n', "", ["tests/test_compare.py"]),
+    ("bf16 gradients summed in bf16 at ZeRO 0 without a word", "mode/console.py",
+     'if ds.precision != "bf16" or ds.zero_stage > 0 or (accum == 1 and world == 1):',
+     'if ds.precision != "bf16" or ds.zero_stage > 0 or accum == 1:', ["tests/test_logging.py"]),
 ]
 
 
