@@ -36,7 +36,7 @@ Launchers:
   `hostfile` (relative to the current directory), `num_nodes`, `num_gpus` (per node),
   `master_addr`, `master_port`, `ssh_port`, `launcher_args` (passed to DeepSpeed's runner), `env`
   (mapping exported to every rank on every node). Without a hostfile (one node) and without
-  `master_port` or MASTER_PORT, each run gets a free port instead of DeepSpeed's 29500.
+  `master_port`, each run gets a free port instead of DeepSpeed's 29500.
 - `slurm`: writes one replayable submit script per unfinished run to `runs_dir/slurm/<run>.sh`
   (the environment the job needs: this interpreter as PYTHON, PYTHONPATH, PATH, SLURM_CONF, the
   variables launch/run.py passes to ranks, GPUS_PER_NODE set from the grid (a value in the user's
@@ -479,9 +479,10 @@ def command(exp: Experiment, run: GridRun) -> list[str]:
                 cmd += [f"--{k}={o[k]}"] if k == "launcher_args" else [f"--{k}", str(o[k])]
         if "num_gpus" not in o and "hostfile" not in o:
             cmd += ["--num_gpus", str(exp.nproc)]
-        if "hostfile" not in o and "master_port" not in o and "MASTER_PORT" not in os.environ:
+        if "hostfile" not in o and "master_port" not in o:
             # one node: a free port, so two grids (or a grid and a `deepspeed` job) on one machine
-            # do not both take DeepSpeed's 29500; several nodes must agree on theirs
+            # do not both take DeepSpeed's 29500; several nodes must agree on theirs. (MASTER_PORT is
+            # not passed on: child_env drops it, a nested run must not join our group.)
             from mode.engine import free_port
 
             cmd += ["--master_port", str(free_port())]

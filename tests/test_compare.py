@@ -1034,8 +1034,9 @@ def test_rerunning_a_grid_into_its_own_runs_dir_keeps_working(tmp_path, monkeypa
 
 def test_one_node_deepspeed_grid_takes_a_free_port(tmp_path, monkeypatch):
     """Without a hostfile every run went to DeepSpeed's port 29500: a second grid, or any `deepspeed`
-    job, on the same machine made the run fail (EADDRINUSE). One node gets a free port; a hostfile,
-    `master_port` or MASTER_PORT keeps the port the user gave (several nodes must agree on it)."""
+    job, on the same machine made the run fail (EADDRINUSE). One node gets a free port (also with
+    MASTER_PORT set: child_env does not pass it on); a hostfile or `master_port` keeps the port the
+    user gave (several nodes must agree on it)."""
     from mode import compare
     import launch.run as lr
 
@@ -1054,4 +1055,6 @@ def test_one_node_deepspeed_grid_takes_a_free_port(tmp_path, monkeypatch):
         assert lr.parser().parse_args(cmd[cmd.index("launch.run") + 1:]).master_port == opts.get("master_port"), cmd
     monkeypatch.setenv("MASTER_PORT", "29700")
     exp = compare.load_experiment(experiment(tmp_path, launcher="deepspeed", launcher_options={"num_gpus": 2}))
-    assert "--master_port" not in compare.command(exp, compare.expand(exp)[0])
+    assert "MASTER_PORT" not in compare.child_env(exp)
+    cmd = compare.command(exp, compare.expand(exp)[0])
+    assert lr.parser().parse_args(cmd[cmd.index("launch.run") + 1:]).master_port not in (None, lr.DEFAULT_PORT)
