@@ -878,6 +878,8 @@ def main(argv=None) -> int:
     todo = sum(r.status != "done" for r in runs)
     log(f"experiment {exp.name}: {n} runs ({todo} to run) in {exp.runs_dir}, launcher {exp.launcher}")
     env = child_env(exp)
+    # a trainer stopped at train.stop_at names the command that continues it: under a grid, this one
+    env["MODE_CONTINUE_COMMAND"] = again_command(a, *(["--resubmit"] if exp.launcher == "slurm" else []), stop_at=False)
     if a.dry_run:
         for i, r in enumerate(runs, 1):
             log(f"[{i}/{n}] {r.name}: {describe(r)}")

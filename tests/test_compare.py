@@ -55,6 +55,9 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monk
                      "continues them", r.stderr)
     assert hint and "all runs finished" not in r.stderr, r.stderr[-3000:]
     assert shlex.split(hint.group(1)) == ["mode", "compare", str(exp)]
+    # each trainer's own stop line names that command too, not a `mode train` of one run
+    said = re.findall(r"the run resumes from its checkpoint with: (.*)", r.stdout)
+    assert said == [hint.group(1)] * 2, r.stdout[-3000:]
 
     # The command it gives resumes both from step 4 and finishes them.
     r = mode_cli(*shlex.split(hint.group(1))[1:])
