@@ -132,7 +132,10 @@ def use_bar(progress: bool) -> bool:
 def continue_command(config: str, overrides: list[str], fresh: bool = False) -> str:
     """The command that continues a run stopped by train.stop_at: the same, without stop_at and
     without run.fresh (which would delete what this start trained; `fresh`: the resolved config
-    has it, maybe from the YAML file, so run.fresh=false is added)."""
+    has it, maybe from the YAML file, so run.fresh=false is added). Under `mode compare`: the
+    compare command that continues the grid (MODE_CONTINUE_COMMAND, set by compare)."""
+    if os.environ.get("MODE_CONTINUE_COMMAND"):
+        return os.environ["MODE_CONTINUE_COMMAND"]
     rest = [o for o in overrides if not o.startswith(("train.stop_at=", "run.fresh="))]
     if fresh:  # maybe from the config file too: an override turns it off whatever set it
         rest.append("run.fresh=false")

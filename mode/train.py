@@ -638,7 +638,7 @@ def _main(argv) -> int:
         trainer.fit()
         end = cfg.train.max_steps
         if trainer.rank == 0 and trainer.step < end:
-            again = os.environ.get("MODE_CONTINUE_COMMAND") or console.continue_command(a.config, a.overrides, asked_fresh)
+            again = console.continue_command(a.config, a.overrides, asked_fresh)
             print(f"stopped at step {trainer.step} of {end} (train.stop_at={cfg.train.stop_at}); the run resumes "
                   f"from its checkpoint with: {again}", flush=True)
         # Left to interpreter exit, gloo's threads abort the process now and then (SIGABRT after a

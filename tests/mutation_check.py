@@ -481,6 +481,8 @@ MUTANTS = [
     ("bf16 gradients summed in bf16 at ZeRO 0 without a word", "mode/console.py",
      'if ds.precision != "bf16" or ds.zero_stage > 0 or (accum == 1 and world == 1):',
      'if ds.precision != "bf16" or ds.zero_stage > 0 or accum == 1:', ["tests/test_logging.py"]),
+    ("a trainer under mode compare names a mode train of its one run to continue", "mode/console.py",
+     '    if os.environ.get("MODE_CONTINUE_COMMAND"):\n', "    if False:\n", ["tests/test_logging.py"]),
 ]
 
 

@@ -209,6 +209,21 @@ def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatc
     assert "2-process launch command" in msg and msg.endswith("--config c.yaml run.dir=r train.max_steps=8")
 
 
+def test_a_trainer_under_compare_names_the_compare_command_to_continue(monkeypatch):
+    """Bug caught: under `mode compare` a trainer stopped at train.stop_at offered a `mode train`
+    of its one run (beside compare's own line naming the grid's command). Compare hands its
+    command down (MODE_CONTINUE_COMMAND; test_compare runs it end to end)."""
+    from mode.console import continue_command
+
+    monkeypatch.delenv("MODE_CONTINUE_COMMAND", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert continue_command("c.yaml", ["train.stop_at=4"]).startswith("mode train ")
+    monkeypatch.setenv("MODE_CONTINUE_COMMAND", "mode compare 'my grid.yaml'")
+    for world in ("1", "2"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert continue_command("c.yaml", ["train.stop_at=4"], fresh=True) == "mode compare 'my grid.yaml'"
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation checkpointing.
 
