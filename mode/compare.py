@@ -589,6 +589,8 @@ def resume_hint(run: GridRun, rc: int = 1) -> str:
         return (f"it stopped on a non-finite loss or gradient (its message is above); invoke {cmd} to resume it from "
                 "its last checkpoint, where the same steps are likely to meet it again unless a setting changes "
                 "(train.nonfinite=skip steps past them)")
+    if rc == 2:  # a config error (one line, above), refused before anything trained: nothing to resume
+        return f"it was refused before training (its message is above); correct that, then invoke {cmd}"
     return f"invoke {cmd}{'' if run.cfg.run.fresh else ' again'} to resume it"
 
 

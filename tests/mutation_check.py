@@ -483,6 +483,8 @@ MUTANTS = [
      'if ds.precision != "bf16" or ds.zero_stage > 0 or accum == 1:', ["tests/test_logging.py"]),
     ("a trainer under mode compare names a mode train of its one run to continue", "mode/console.py",
      '    if os.environ.get("MODE_CONTINUE_COMMAND"):\n', "    if False:\n", ["tests/test_logging.py"]),
+    ("a grid run refused by a config error is called resumable", "mode/compare.py",
+     "    if rc == 2:  # a config error", "    if False:  # a config error", ["tests/test_compare.py"]),
 ]
 
 

@@ -452,6 +452,11 @@ def test_a_run_stopped_on_non_finite_values_is_not_called_resumable_as_is(tmp_pa
         h = compare.resume_hint(r, 3)
         assert h.startswith("it stopped on a non-finite loss or gradient") and "train.nonfinite=skip" in h, h
         assert ("run.fresh=false added" in h) is fresh, h
+        # exit 2: refused before training (an unreachable ssh host, a bad key): nothing to resume, and
+        # the same command alone fails the same way (it said "invoke the same command again to resume it")
+        h = compare.resume_hint(r, 2)
+        assert h.startswith("it was refused before training") and "resume" not in h, h
+        assert ("run.fresh=false added" in h) is fresh, h
 
 
 @pytest.mark.parametrize("key,value,allowed", [

@@ -350,6 +350,16 @@ def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_pa
         args = out.read_text().splitlines()
         assert args[args.index("--master_addr") + 1] == master, (given, args)
         assert ("is not a node of job 77 (n0 n1)" in r.stderr) == (master == "n0"), r.stderr
+    # Bug caught: a MASTER_PORT exported in the submitting shell became every job's port: two jobs
+    # on one node, the second failed with EADDRINUSE. The job id's port, or MODE_MASTER_PORT.
+    for given, port in (({}, "20077"), ({"MASTER_PORT": "31555"}, "20077"),
+                        ({"MASTER_PORT": "31555", "MODE_MASTER_PORT": "31666"}, "31666"), ({"MODE_MASTER_PORT": "31666"}, "31666")):
+        r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "c.yaml"],
+                           env={**two, **given}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        args = out.read_text().splitlines()
+        assert args[args.index("--master_port") + 1] == port, (given, args)
+        assert ("MASTER_PORT=31555 from the submitting shell is ignored" in r.stderr) == (given == {"MASTER_PORT": "31555"})
 
 
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
@@ -420,7 +430,7 @@ def test_slurm_template_starts_one_launcher_per_node(tmp_path, one_launcher):
         f.chmod(0o755)
     e = dict(env(1), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=PY, MODE_ROOT=str(ROOT),
              SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_NNODES="2",
-             SLURM_GPUS_ON_NODE="1", MODE_MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+             SLURM_GPUS_ON_NODE="1", MODE_MASTER_ADDR="127.0.0.1", MODE_MASTER_PORT=str(free_port()))
     config = str(ROOT / EP_CONFIG)
     sbatch = str(ROOT / "launch" / "slurm.sbatch")
     # run.fresh=true: the job writes run.dir/slurm/ before the trainer starts; that directory is new
