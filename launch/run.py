@@ -18,7 +18,8 @@ Launchers:
   otherwise (one node of a hostfile runs here: 127.0.0.1, no ssh); `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
   --node_rank R` the same command is run on every node (SLURM: launch/slurm.sbatch). Without a
   hostfile: one node, `--num_gpus` processes. Ctrl-C (SIGTERM) on a pdsh launch stops this job's
-  launcher on every node over ssh, not every DeepSpeed launcher there (DeepSpeed's own handler).
+  launcher on every node over ssh, not every DeepSpeed launcher there (DeepSpeed's own handler);
+  if this process is killed outright, a watchdog process (guard_main) does the same.
 - `--launcher pdsh|openmpi|mpich|impi|mvapich|slurm`: DeepSpeed's runner with that multi-node
   backend (`deepspeed` is `pdsh`).
 - `--launcher torchrun`: run once per node with `--num_nodes N --node_rank R --master_addr A`.
@@ -34,6 +35,7 @@ unchanged) for multi-node launches, and through the environment of the launcher 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -308,15 +310,55 @@ def stop_nodes(hosts: list[str], ssh_port: int | None, master_addr: str, master_
             proc.kill()
 
 
-def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -> int:
+def guard_main(argv: list[str]) -> int:
+    """The watchdog of a pdsh launch: a process of its own session, started by run_multinode. The
+    ranks on other nodes live under their sshd, not under this machine's launcher, so a launch.run
+    (or `mode compare` above it) killed by SIGKILL left the whole job training with nothing watching
+    it. Once launch.run is gone while the runner lives: stop this job's launchers on every node, end
+    the runner's process group (pdsh, ssh), remove the env file's directory. Exits with the runner."""
+    from mode.lifeline import _stat
+
+    parent, runner, tmp, ssh_port, master, port, *hosts = argv
+    born = {pid: (_stat(pid) or (0, None))[1] for pid in (int(parent), int(runner))}
+
+    def alive(pid: str) -> bool:
+        return (_stat(int(pid)) or (0, None))[1] == born[int(pid)]
+
+    while alive(runner):
+        if not alive(parent):
+            print(f"launch.run (pid {parent}) is gone: stopping this job's ranks on every node", file=sys.stderr,
+                  flush=True)
+            stop_nodes(hosts, int(ssh_port) if ssh_port else None, master, int(port))
+            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(int(runner), sig)
+                end = time.monotonic() + wait_s
+                while alive(runner) and time.monotonic() < end:
+                    time.sleep(0.2)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return 0
+        time.sleep(1)
+    return 0
+
+
+def start_guard(runner_pid: int, tmp: Path, guard: tuple) -> subprocess.Popen:
+    hosts, ssh_port, master, port = guard
+    return subprocess.Popen([sys.executable, "-c", "import sys, launch.run as r; sys.exit(r.guard_main(sys.argv[1:]))",
+                             str(os.getpid()), str(runner_pid), str(tmp), str(ssh_port or ""), master, str(port), *hosts],
+                            cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None, guard: tuple | None = None) -> int:
     """Start DeepSpeed's multi-node runner with our env file in a temporary directory (nothing in
     run.dir: the ranks create it), wait, remove the file. With `stop` (pdsh) the runner runs in its
     own session, so Ctrl-C and SIGTERM reach only this process, which calls `stop()` to end this
-    job's processes on every node; a second signal kills the runner."""
+    job's processes on every node; a second signal kills the runner. `guard` (hosts, ssh port, master
+    address, port): a watchdog process does the same if this process dies by SIGKILL."""
     tmp = Path(tempfile.mkdtemp(prefix="mode-launch-"))
     try:
         env = {**os.environ, **env, "DS_ENV_FILE": str(write_deepspeed_env(tmp / "deepspeed_env", env, shell))}
         proc = subprocess.Popen(cmd, env=env, start_new_session=stop is not None)
+        watchdog = start_guard(proc.pid, tmp, guard) if guard else None
         signals = []
 
         def on_signal(signum, _frame):
@@ -340,6 +382,9 @@ def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None) -
             if deadline and time.monotonic() > deadline:  # the nodes' launchers stopped, the runner did not
                 os.killpg(proc.pid, signal.SIGKILL)
             time.sleep(0.2)
+        if watchdog is not None:  # it exits within a second of the runner
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                watchdog.wait(timeout=5)
         if signals:
             return 128 + signals[0]
         return rc if rc >= 0 else 128 - rc
@@ -416,7 +461,12 @@ def main(argv=None) -> int:
     if multinode:
         hosts = [h for h, _ in nodes]
         stop = (lambda: stop_nodes(hosts, a.ssh_port, master, a.master_port)) if pdsh else None
-        return run_multinode(cmd, env, shell=pdsh, stop=stop)
+        if pdsh and os.environ.get("MODE_WATCH_PARENT") == "1":  # under `mode compare`: end with it
+            from mode.lifeline import die_with_launcher
+
+            die_with_launcher()
+        guard = (hosts, a.ssh_port, master, a.master_port) if pdsh else None
+        return run_multinode(cmd, env, shell=pdsh, stop=stop, guard=guard)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0  # not reached
 

@@ -4,6 +4,7 @@ launch/dev/local_cluster.sh. Skipped, with the reason, where Debian's `slurmctld
 slurm-client munge openssh-server pdsh` are not installed or we are not root."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -464,6 +465,55 @@ def test_pdsh_two_nodes_match_one_node(tmp_path, cluster, one_launcher):
     assert "--master_addr=mode-node0" in r.stdout + r.stderr
     assert_losses_equal(one_launcher, run, STEPS)
     assert not (run / "deepspeed_env").exists()
+
+
+@pytest.mark.parametrize("killed", ["launch.run", "mode compare"])
+@pytest.mark.slow
+def test_sigkill_of_the_pdsh_launcher_or_of_compare_leaves_no_rank_training(tmp_path, cluster, killed):
+    """Bug caught: over pdsh the ranks live under sshd, not under this machine's launcher, so SIGKILL
+    of launch.run (or of `mode compare` above it) left the runner, pdsh and both nodes' ranks training
+    with nothing watching (they reached step 4338 in 40 s), and the env file's directory behind. A
+    watchdog process of its own stops this job on every node."""
+    from tests.test_launch import processes_mentioning
+
+    hostfile = write_hosts(tmp_path / "hostfile", "mode-node0", "mode-node1")
+    tmp = tmp_path / "tmp"  # launch.run's temporary env-file directory goes here (TMPDIR)
+    tmp.mkdir()
+    log = tmp_path / "launch.log"
+    if killed == "launch.run":
+        run = tmp_path / "run"
+        cmd = [PY, "-m", "launch.run", "--hostfile", str(hostfile), "--ssh_port", cluster["MODE_SSH_PORT"],
+               "--master_port", str(free_port()), "--config", "configs/tiny/dense.yaml", *RUN,
+               "train.max_steps=100000", f"run.dir={run}"]
+    else:
+        grid = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "deepspeed", "seeds": [0],
+                "launcher_options": {"hostfile": str(hostfile), "ssh_port": int(cluster["MODE_SSH_PORT"]),
+                                     "master_port": free_port()},
+                "overrides": [*RUN, "train.max_steps=100000"],
+                "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
+        (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+        run = tmp_path / "runs" / "dense_seed0"
+        cmd = [PY, "-m", "mode.cli", "compare", str(tmp_path / "grid.yaml")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env(1), TMPDIR=str(tmp)), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 600
+        while not list(run.glob("tb/events.out.tfevents.*")):  # both ranks are past their rendezvous
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(1)
+        assert len([pid for pid, c in processes_mentioning(str(run)) if "-m mode.train" in c]) == 2
+        assert [p.name for p in tmp.iterdir()][0].startswith("mode-launch-")
+        proc.kill()
+        proc.wait()
+        end = time.monotonic() + 60
+        while (processes_mentioning(str(run)) or list(tmp.iterdir())) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert processes_mentioning(str(run)) == [] and list(tmp.iterdir()) == [], log.read_text()[-3000:]
+        assert "is gone: stopping this job's ranks on every node" in log.read_text()
+    finally:
+        for pid, _ in processes_mentioning(str(run)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
