@@ -318,11 +318,12 @@ def guard_main(argv: list[str]) -> int:
     the runner's process group (pdsh, ssh), remove the env file's directory. Exits with the runner."""
     from mode.lifeline import _stat
 
-    parent, runner, tmp, ssh_port, master, port, *hosts = argv
-    born = {pid: (_stat(pid) or (0, None))[1] for pid in (int(parent), int(runner))}
+    parent, parent_start, runner, runner_start, tmp, ssh_port, master, port, *hosts = argv
+    born = {parent: parent_start, runner: runner_start}  # start times: a reused pid is not the process
 
     def alive(pid: str) -> bool:
-        return (_stat(int(pid)) or (0, None))[1] == born[int(pid)]
+        st = _stat(int(pid))
+        return st is not None and st[1] == born[pid]
 
     while alive(runner):
         if not alive(parent):
@@ -342,10 +343,14 @@ def guard_main(argv: list[str]) -> int:
 
 
 def start_guard(runner_pid: int, tmp: Path, guard: tuple) -> subprocess.Popen:
+    from mode.lifeline import _stat
+
     hosts, ssh_port, master, port = guard
+    # start times read here, while both are alive (the runner is this process's unreaped child)
+    started = [str((_stat(pid) or (0, ""))[1]) for pid in (os.getpid(), runner_pid)]
     return subprocess.Popen([sys.executable, "-c", "import sys, launch.run as r; sys.exit(r.guard_main(sys.argv[1:]))",
-                             str(os.getpid()), str(runner_pid), str(tmp), str(ssh_port or ""), master, str(port), *hosts],
-                            cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+                             str(os.getpid()), started[0], str(runner_pid), started[1], str(tmp), str(ssh_port or ""),
+                             master, str(port), *hosts], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None, guard: tuple | None = None) -> int:
