@@ -330,15 +330,23 @@ def guard_main(argv: list[str]) -> int:
             print(f"launch.run (pid {parent}) is gone: stopping this job's ranks on every node", file=sys.stderr,
                   flush=True)
             stop_nodes(hosts, int(ssh_port) if ssh_port else None, master, int(port))
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 0)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(int(runner), sig)
-                end = time.monotonic() + wait_s
-                while alive(runner) and time.monotonic() < end:
-                    time.sleep(0.2)
+            # the nodes' launchers stopped, so the runner ends; not SIGTERM: DeepSpeed's handler would
+            # pkill every job's launcher on every node (see stop_nodes); SIGKILL if it lingers
+            end = time.monotonic() + 30
+            while alive(runner) and time.monotonic() < end:
+                time.sleep(0.2)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(runner), signal.SIGKILL)
             shutil.rmtree(tmp, ignore_errors=True)
             return 0
         time.sleep(1)
+    # The runner ended. launch.run removes the directory as it returns; killed (or ended by its
+    # watchdog thread under compare) it cannot: if it is gone within 10 s, remove it here.
+    end = time.monotonic() + 10
+    while alive(parent) and time.monotonic() < end:
+        time.sleep(0.2)
+    if not alive(parent):
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
@@ -363,7 +371,8 @@ def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None, g
     try:
         env = {**os.environ, **env, "DS_ENV_FILE": str(write_deepspeed_env(tmp / "deepspeed_env", env, shell))}
         proc = subprocess.Popen(cmd, env=env, start_new_session=stop is not None)
-        watchdog = start_guard(proc.pid, tmp, guard) if guard else None
+        if guard:  # not waited for: it outlives this process by design (and then belongs to init)
+            start_guard(proc.pid, tmp, guard)
         signals = []
 
         def on_signal(signum, _frame):
@@ -387,9 +396,6 @@ def run_multinode(cmd: list[str], env: dict[str, str], shell: bool, stop=None, g
             if deadline and time.monotonic() > deadline:  # the nodes' launchers stopped, the runner did not
                 os.killpg(proc.pid, signal.SIGKILL)
             time.sleep(0.2)
-        if watchdog is not None:  # it exits within a second of the runner
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                watchdog.wait(timeout=5)
         if signals:
             return 128 + signals[0]
         return rc if rc >= 0 else 128 - rc
