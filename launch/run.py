@@ -316,14 +316,13 @@ def guard_main(argv: list[str]) -> int:
     (or `mode compare` above it) killed by SIGKILL left the whole job training with nothing watching
     it. Once launch.run is gone while the runner lives: stop this job's launchers on every node, end
     the runner's process group (pdsh, ssh), remove the env file's directory. Exits with the runner."""
-    from mode.lifeline import _stat
+    from mode.lifeline import start_time
 
     parent, parent_start, runner, runner_start, tmp, ssh_port, master, port, *hosts = argv
-    born = {parent: parent_start, runner: runner_start}  # start times: a reused pid is not the process
+    born = {parent: parent_start, runner: runner_start}  # "" when already gone at start
 
     def alive(pid: str) -> bool:
-        st = _stat(int(pid))
-        return st is not None and st[1] == born[pid]
+        return bool(born[pid]) and start_time(int(pid)) == born[pid]
 
     while alive(runner):
         if not alive(parent):
@@ -351,11 +350,11 @@ def guard_main(argv: list[str]) -> int:
 
 
 def start_guard(runner_pid: int, tmp: Path, guard: tuple) -> subprocess.Popen:
-    from mode.lifeline import _stat
+    from mode.lifeline import start_time
 
     hosts, ssh_port, master, port = guard
     # start times read here, while both are alive (the runner is this process's unreaped child)
-    started = [str((_stat(pid) or (0, ""))[1]) for pid in (os.getpid(), runner_pid)]
+    started = [start_time(pid) or "" for pid in (os.getpid(), runner_pid)]
     return subprocess.Popen([sys.executable, "-c", "import sys, launch.run as r; sys.exit(r.guard_main(sys.argv[1:]))",
                              str(os.getpid()), started[0], str(runner_pid), started[1], str(tmp), str(ssh_port or ""),
                              master, str(port), *hosts], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -35,6 +35,12 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
 
 
+def start_time(pid: int) -> str | None:
+    """When a live process started, or None: with its pid it names the process (pids are reused)."""
+    st = _stat(pid)
+    return None if st is None else st[1]
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -68,7 +74,7 @@ def die_with_launcher(poll_s: float = 1.0) -> bool:
         pass
 
     def gone() -> int | None:
-        return next((pid for pid, start in watched if (_stat(pid) or (0, None))[1] != start), None)
+        return next((pid for pid, start in watched if start_time(pid) != start), None)
 
     def watch():
         while True:
