@@ -169,13 +169,22 @@ METRICS: list[Metric] = [
 ]
 
 
+def run_peaks(r: RunLog) -> list[float]:
+    """The peaks (TFLOP/s per device, alike to 6 digits) the run's perf/mfu rows divide by: one per
+    start where it changed (run_info.json `peaks`; runs from before it: `peak_tflops_per_device`)."""
+    entries = r.info.get("peaks") or [{"peak_tflops_per_device": r.info.get("peak_tflops_per_device")}]
+    vals = [e.get("peak_tflops_per_device") for e in entries if isinstance(e, dict)]
+    return sorted({float(f"{p:.6g}") for p in vals if is_number(p) and math.isfinite(p)})
+
+
 def mfu_peaks(runs: list[RunLog]) -> dict[float, list[RunLog]]:
-    """{peak TFLOP/s per device (run_info.json): the runs that logged perf/mfu against it}, lowest peak first."""
+    """{peak TFLOP/s per device: the runs that logged perf/mfu against it}, lowest peak first; a run
+    resumed under another peak is listed under each."""
     out: dict[float, list[RunLog]] = {}
     for r in runs:
-        peak = r.info.get("peak_tflops_per_device")
-        if is_number(peak) and math.isfinite(peak) and r.series("perf/mfu")[1].size:
-            out.setdefault(float(f"{peak:.6g}"), []).append(r)  # alike to 6 digits: one peak
+        if r.series("perf/mfu")[1].size:
+            for peak in run_peaks(r):
+                out.setdefault(peak, []).append(r)
     return dict(sorted(out.items()))
 
 
@@ -678,6 +687,12 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   + ". Each run's MFU divides by its own peak (on CPU measured at its start, lower while other jobs "
                   "hold the cores), so the MFU column and its spread over seeds compare runs only where the peak is "
                   "the same: compare tokens/s, or rerun with one `perf.peak_tflops` for all.", ""]
+    mixed = [r for r in runs if r.series("perf/mfu")[1].size and len(run_peaks(r)) > 1]
+    if mixed:  # one median over rows with different denominators
+        lines += ["**MFU of one run against several peaks**: " + ", ".join(
+            f"`{_rel(r.path, runs_dir)}` ({', '.join(f'{p:.3g}' for p in run_peaks(r))})" for r in mixed)
+                  + ": a resumed start measured (or was given, `perf.peak_tflops`) another peak than the rows "
+                  "before it (run_info.json `peaks`), so its MFU median mixes denominators; its tokens/s do not.", ""]
 
     lines += ["## Loss curves", ""]
     for x, name in (("step", "loss_vs_step.png"), ("flops", "loss_vs_flops.png"), ("time", "loss_vs_time.png")):

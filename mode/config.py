@@ -448,7 +448,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     progress: bool = True
-    """tqdm progress bar on rank 0 when stdout is a terminal; otherwise (or when false) one plain line per log interval."""
+    """tqdm progress bar on rank 0 when stdout and stderr are a terminal; otherwise (or when false) one plain line per log interval."""
     routing_dump: bool = False
     """At the end, write per-token routing decisions of one eval batch to run.dir/routing.pt."""
     wandb: bool = False

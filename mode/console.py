@@ -126,23 +126,26 @@ def progress_line(step: int, max_steps: int, vals: dict) -> str:
 
 
 def use_bar(progress: bool) -> bool:
-    return progress and sys.stdout.isatty()
+    """The bar is drawn on stderr and replaces the plain lines on stdout: only when both are a
+    terminal (either one redirected to a file would get redraws or nothing)."""
+    return progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def continue_command(config: str, overrides: list[str], fresh: bool = False) -> str:
-    """The command that continues a run stopped by train.stop_at: the same, without stop_at and
+    """The command that continues a run stopped by train.stop_at: the same with train.stop_at=0 (the
+    stop may come from the YAML file, where dropping an override would not turn it off) and
     without run.fresh (which would delete what this start trained; `fresh`: the resolved config
     has it, maybe from the YAML file, so run.fresh=false is added). Under `mode compare`: the
     compare command that continues the grid (MODE_CONTINUE_COMMAND, set by compare)."""
     if os.environ.get("MODE_CONTINUE_COMMAND"):
         return os.environ["MODE_CONTINUE_COMMAND"]
-    rest = [o for o in overrides if not o.startswith(("train.stop_at=", "run.fresh="))]
+    rest = [o for o in overrides if not o.startswith(("train.stop_at=", "run.fresh="))] + ["train.stop_at=0"]
     if fresh:  # maybe from the config file too: an override turns it off whatever set it
         rest.append("run.fresh=false")
     cmd = shlex.join(["mode", "train", "--config", config, *rest])
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # a single-process `mode train` would be refused: the checkpoint belongs to this world size
-        return (f"the same {world}-process launch command without train.stop_at or run.fresh (a checkpoint "
+        return (f"the same {world}-process launch command with train.stop_at=0 and without run.fresh (a checkpoint "
                 "resumes only at the world size it was saved with), whose trainer arguments are: "
                 f"{shlex.join(['--config', config, *rest])}")
     return cmd

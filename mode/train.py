@@ -210,7 +210,7 @@ def finished(cfg: Config) -> str | None:
     stop = cfg.train.stop_at
     if 0 < stop <= step:
         return (f"run.dir={str(run_dir)!r} is already at step {step} (train.stop_at={stop}): nothing to do, nothing "
-                "written; the same command without train.stop_at (or with a later one) continues it")
+                "written; the same command with train.stop_at=0 (or a later step) continues it")
     return None
 
 
@@ -286,15 +286,25 @@ class Trainer:
                     "tokenizer_sha256": self.data.manifest["tokenizer"]["sha256"]}
             if os.environ.get("SLURM_JOB_ID"):  # the job that started this run (requeued_fresh_start)
                 info["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
-            changes = self._saved_info().get("schedule_changes") if saved else None
+            prev = self._saved_info() if saved is not None else {}  # this run's, when resuming
+            changes = prev.get("schedule_changes") if saved else None
             if changes:  # recorded by _record_schedule_change; kept across every later start
                 info["schedule_changes"] = changes
             # every resume's point and time: what an earlier process logged past it, before it, is not
             # this run's series (analysis/tb.py drops it; metrics.jsonl had it dropped above)
             # (a restart at step 0, before the first checkpoint, included: it logs every step again)
-            resumes = [*(self._saved_info().get("resumes") or []), self.resumed] if saved is not None else []
+            resumes = [*(prev.get("resumes") or []), self.resumed] if saved is not None else []
             if resumes:
                 info["resumes"] = resumes
+            # the peak each kept row's perf/mfu divides by, from the step a start resumed at, where it
+            # changed (perf.peak_tflops given on a resume, a CPU peak measured again; analysis/report.py
+            # says so); a start's entry past this resume point covered only rows that are dropped
+            peaks = prev.get("peaks") or ([{"step": 0, "peak_tflops_per_device": prev["peak_tflops_per_device"]}]
+                                          if "peak_tflops_per_device" in prev else [])
+            peaks = [e for e in peaks if isinstance(e, dict) and e.get("step", 0) < self.step]
+            if not peaks or peaks[-1].get("peak_tflops_per_device") != self.peak_tflops:
+                peaks.append({"step": self.step, "peak_tflops_per_device": self.peak_tflops})
+            info["peaks"] = peaks
             rundir.write_atomic(self.run_dir / "run_info.json", json.dumps(info, indent=1))
             self.log.log_config(cfg, {"run_info": info})
             print(console.start_block(cfg, params, self.flops, self.world, self.dev, (self.peak_tflops, self.peak_src),

@@ -369,6 +369,26 @@ def _write_run_with_mfu(d, name: str, seed: int, loss: float, mfu: float, peak: 
     w.close()
 
 
+def test_mfu_of_a_run_resumed_under_another_peak_is_called_out(tmp_path):
+    """Bug caught: a run resumed under another peak (run_info.json `peaks`) had its MFU median
+    taken over rows with two denominators, and the report said nothing (its top-level peak alone
+    matched the other runs')."""
+    root = tmp_path / "runs"
+    for seed in (0, 1):
+        _write_run_with_mfu(root / f"dense_seed{seed}", "dense", seed, 2.0, 0.3, 0.5)
+    p = root / "dense_seed1" / "run_info.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), "peaks": [
+        {"step": 0, "peak_tflops_per_device": 0.11}, {"step": 4, "peak_tflops_per_device": 0.5}]}))
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**MFU of one run against several peaks**: `dense_seed1` (0.11, 0.5)" in md, md
+    assert "0.11: `dense_seed1`; 0.5: `dense_seed0`, `dense_seed1`" in md  # and the runs' peaks differ
+    p.write_text(json.dumps({**json.loads(p.read_text()), "peaks": [{"step": 0, "peak_tflops_per_device": 0.5}]}))
+    report.analyze(root, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "several peaks" not in md and "different peaks" not in md
+
+
 def test_mfu_above_100_percent_is_called_out(tmp_path):
     """A run whose measured peak was deflated (MFU > 1) is named under the table with its peak."""
     root = tmp_path / "runs"

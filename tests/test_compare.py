@@ -54,7 +54,7 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monk
     hint = re.search(r"2 run\(s\) stopped at train.stop_at \(dense_seed0, mod_seed0\); `(mode compare [^`]*)` "
                      "continues them", r.stderr)
     assert hint and "all runs finished" not in r.stderr, r.stderr[-3000:]
-    assert shlex.split(hint.group(1)) == ["mode", "compare", str(exp)]
+    assert shlex.split(hint.group(1)) == ["mode", "compare", str(exp), "train.stop_at=0"]
     # each trainer's own stop line names that command too, not a `mode train` of one run
     said = re.findall(r"the run resumes from its checkpoint with: (.*)", r.stdout)
     assert said == [hint.group(1)] * 2, r.stdout[-3000:]
@@ -571,7 +571,7 @@ def test_follow_up_hints_keep_the_users_grid_arguments(tmp_path):
     assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "train.stop_at=4", "x.y=1",
                                  "--runs-dir", "runs/long", "--seeds", "0,1", "--poll", "5", "--wait", "--only", "dense"]
     hint = compare.again_command(a, "--resubmit", stop_at=False)  # what continues runs stopped at stop_at
-    assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "x.y=1", "--runs-dir",
+    assert shlex.split(hint) == ["mode", "compare", "my grid.yaml", "train.max_steps=9", "x.y=1", "train.stop_at=0", "--runs-dir",
                                  "runs/long", "--seeds", "0,1", "--poll", "5", "--resubmit", "--only", "dense"]
     b = argparse.Namespace(experiment="g.yaml", overrides=[], only=None, runs_dir=None, seeds=None, poll=30.0)
     assert compare.again_command(b, "--resubmit") == "mode compare g.yaml --resubmit"

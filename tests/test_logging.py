@@ -167,6 +167,25 @@ def test_prepare_progress_in_a_log_file_is_plain_lines(tmp_path, capsys):
         splits[s]["tokens"] for s in ("train", "val"))
 
 
+def test_the_training_bar_only_when_both_streams_are_a_terminal(monkeypatch):
+    """Bug caught: the bar was chosen when stdout was a terminal but drawn on stderr: with stderr
+    redirected to a file (`2> err.txt`) the file filled with redraws and the terminal showed no
+    progress. Real terminals here (a pseudo-terminal), not a patched isatty."""
+    import io
+    import os
+    import sys
+
+    from mode.console import use_bar
+
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as tty:
+        for out, err, want in ((tty, tty, True), (tty, io.StringIO(), False), (io.StringIO(), tty, False)):
+            monkeypatch.setattr(sys, "stdout", out)
+            monkeypatch.setattr(sys, "stderr", err)
+            assert use_bar(True) is want and use_bar(False) is False
+    os.close(master)
+
+
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged", decoupled
     routing's included: its `mod_attn/`, `mod_mlp/` tags by the README's rule that they repeat the
@@ -200,13 +219,13 @@ def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatc
     # run.fresh=true in the command that continues would delete what the stopped start trained
     args = ["run.dir=r", "train.stop_at=4", "run.fresh=true", "train.max_steps=8"]
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8"
+    assert continue_command("c.yaml", args) == "mode train --config c.yaml run.dir=r train.max_steps=8 train.stop_at=0"
     # run.fresh: true in the config file itself: the command turns it off
-    assert continue_command("c.yaml", args, fresh=True).endswith("train.max_steps=8 run.fresh=false")
+    assert continue_command("c.yaml", args, fresh=True).endswith("train.stop_at=0 run.fresh=false")
     monkeypatch.setenv("WORLD_SIZE", "2")
     msg = continue_command("c.yaml", args)
-    assert "mode train" not in msg and "single process" not in msg and "stop_at" in msg  # "without stop_at"
-    assert "2-process launch command" in msg and msg.endswith("--config c.yaml run.dir=r train.max_steps=8")
+    assert "mode train" not in msg and "single process" not in msg
+    assert "2-process launch command" in msg and msg.endswith("--config c.yaml run.dir=r train.max_steps=8 train.stop_at=0")
 
 
 def test_a_trainer_under_compare_names_the_compare_command_to_continue(monkeypatch):
@@ -427,7 +446,7 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
     run = copy_run(src, tmp_path / "run")
     args = ["--config", CFG, *TINY, *STEPS, f"run.dir={run}"]
     m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", stdout, flags=re.M)
-    assert m and "train.stop_at" not in m.group(1), stdout
+    assert m and "train.stop_at=2" not in m.group(1) and "train.stop_at=0" in m.group(1), stdout
     assert f"run.dir={src}" in m.group(1)
 
     before = snapshot(run)
@@ -498,6 +517,23 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_printed_command_continues_a_stop_at_set_in_the_yaml_file(tmp_path):
+    """Bug caught: with train.stop_at in the YAML file, the command printed to continue (the same
+    without a train.stop_at override) stopped at the same step again: "nothing to do"."""
+    import shlex
+
+    cfg = tmp_path / "timebox.yaml"
+    cfg.write_text(f"base: {ROOT / CFG}\ntrain: {{stop_at: 2}}\n")
+    run = tmp_path / "run"
+    r = mode_cli("train", "--config", cfg, *TINY, *STEPS, f"run.dir={run}")
+    m = re.search(r"stopped at step 2 of 6 \(train.stop_at=2\).*with: (mode train .*)$", r.stdout, flags=re.M)
+    assert m, r.stdout
+    r = mode_cli(*shlex.split(m.group(1))[1:])
+    assert "at step 2" in r.stderr and "finished at step 6" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert (run / "DONE").is_file()
+
+
+@pytest.mark.slow
 def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped_at_2):
     """Bug caught: the same time-boxed command run again (a requeued job) started the engine,
     trained nothing, and rewrote run_info.json and a TensorBoard file."""
@@ -520,6 +556,26 @@ def test_an_analyzed_run_resumes_to_the_end(tmp_path, stopped_at_2):
     r = mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}")
     assert "at step 2" in r.stderr and "finished at step 6" in r.stdout and (run / "DONE").is_file(), r.stderr
     assert (run / "report" / "report.md").read_text() == report  # the report is left as it was
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_peak_is_recorded_and_reported(tmp_path, stopped_at_2):
+    """Bug caught: a resume with another perf.peak_tflops (a perf key, allowed to change) or a CPU
+    peak measured again rewrote run_info.json's one peak; the rows logged before it had divided by
+    the old one, and `mode analyze` took the median over both with no word."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    first = json.loads((run / "run_info.json").read_text())["peak_tflops_per_device"]
+    mode_cli("train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}", "perf.peak_tflops=123")
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["peaks"] == [{"step": 0, "peak_tflops_per_device": first},
+                             {"step": 2, "peak_tflops_per_device": 123.0}], info
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in (r for r in rows if "perf/mfu" in r):  # each row divides by the peak of the start that logged it
+        peak = first if row["step"] <= 2 else 123.0
+        assert row["perf/mfu"] == pytest.approx(row["perf/tflops_per_device"] / peak, rel=1e-5), row
+    mode_cli("analyze", run)
+    md = (run / "report" / "report.md").read_text()
+    assert f"**MFU of one run against several peaks**: `.` ({first:.3g}, 123)" in md, md
 
 
 @pytest.mark.slow
