@@ -143,9 +143,13 @@ def room_for_shards(cfg: DataConfig, manifest: dict, raise_limit: bool = False) 
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
     if hard != resource.RLIM_INFINITY and hard < need:
+        # a shard closes in both splits whenever one completes: ~2 shards per data.shard_tokens of training tokens
+        tokens = sum(manifest["splits"][s]["tokens"] for s in ("train", "val"))
+        enough = 1 << max(0, math.ceil(math.log2(4 * tokens / max(hard - FD_HEADROOM, 1))))
         raise ConfigError("data.shard_tokens", cfg.shard_tokens, f"shards few enough to keep open: this prepared "
                           f"data has {need - FD_HEADROOM} and the hard limit of open files is {hard} (`ulimit -Hn`); "
-                          "raise it, or rebuild with a larger data.shard_tokens (`mode data prepare --force`)")
+                          f"raise it, or rebuild it with larger shards: `mode data prepare --config F --force "
+                          f"data.shard_tokens={max(enough, cfg.shard_tokens)}`")
     if raise_limit:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 

@@ -70,6 +70,14 @@ def held_out_named(f: str) -> bool:
     return shard or parts[-1] in HELD_OUT_NAMES
 
 
+def glob_root(spec: str) -> str:
+    """A local source's path, or a glob's fixed prefix (the directory its matches lie under)."""
+    root = os.path.expanduser(spec)
+    if re.search(r"[*?[]", root):
+        root = os.path.join(".", *itertools.takewhile(lambda x: not re.search(r"[*?[]", x), Path(root).parts))
+    return root
+
+
 def held_out(f: str, spec: str) -> tuple[str, str] | None:
     """("file", f) for a data file named as a held-out split, ("folder", F) for one under a folder F
     so named (validation/, test/: train/ + test/ layouts) between the source `spec` (a directory, or
@@ -78,10 +86,8 @@ def held_out(f: str, spec: str) -> tuple[str, str] | None:
         return "file", f
     if Path(f).suffix.lower() not in DATA_SUFFIXES:
         return None
-    root = os.path.expanduser(spec)
-    if re.search(r"[*?[]", root):  # a glob: its fixed prefix
-        root = os.path.join(".", *itertools.takewhile(lambda x: not re.search(r"[*?[]", x), Path(root).parts))
-    elif not os.path.isdir(root):  # a file: nothing between
+    root = glob_root(spec)
+    if not os.path.isdir(root):  # a file: nothing between
         return None
     parts = Path(os.path.relpath(f, root)).parts[:-1]
     for i, part in enumerate(parts):
@@ -228,12 +234,22 @@ def stdlib_files() -> list[str]:
     return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
 
 
-def source_files(spec: str, key: str) -> list[str]:
-    """Files of a local source (file, directory searched recursively, or glob); [] for a hub name."""
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def source_files(spec: str, key: str, prepared_dir: str = "") -> list[str]:
+    """Files of a local source (file, directory searched recursively, or glob); [] for a hub name.
+    Nothing under `prepared_dir` (a source folder holding data.prepared_dir would read the prepared
+    shards, manifests and locks as text, and find itself changed by every prepare)."""
     if spec == "stdlib":
         return stdlib_files()
     if not looks_local(spec):
         return []
+    if prepared_dir and _inside(glob_root(spec), os.path.expanduser(prepared_dir)):
+        raise ConfigError("data.prepared_dir", prepared_dir, f"a directory that does not hold {key}={spec} (its "
+                          "prepared files would be read as text)")
     files = []
     for m in sorted(glob.glob(os.path.expanduser(spec))):
         if os.path.isdir(m):
@@ -241,6 +257,8 @@ def source_files(spec: str, key: str) -> list[str]:
                             if os.path.isfile(f) and not Path(f).name.startswith("."))
         elif os.path.isfile(m):
             files.append(m)
+    if prepared_dir:
+        files = [f for f in files if not _inside(f, os.path.expanduser(prepared_dir))]
     if not files:
         raise ConfigError(key, spec, "an existing file, a directory with files, or a glob matching files")
     return files
@@ -315,7 +333,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
                               "documents are never trained on)")
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
-    files = [f for f in source_files(spec, key) if os.path.abspath(f) not in exclude]
+    files = [f for f in source_files(spec, key, cfg.prepared_dir) if os.path.abspath(f) not in exclude]
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if cfg.hub_config and local:
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
@@ -323,13 +341,19 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     # A data file named as a held-out split beside the training files: with val_fraction alone, whole
     # files would be drawn into either split (a text file is one document), and the validation file
     # trained on. Refused: the user says which file is which.
-    held = [h for f in files if (h := held_out(f, spec))]
-    if which == "source" and not cfg.val_source and held and spec != "stdlib" and not repo:
+    held = list(dict.fromkeys(h for f in files if (h := held_out(f, spec))))
+    names = (f"files and folders named {'/'.join(HELD_OUT_NAMES)} (files: or numbered shards of them, or names "
+             "ending in them)")
+    if which == "source" and held and spec != "stdlib" and not repo:
         kind, path = held[0]
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        if cfg.val_source:  # another held-out file beside the one named: it would be trained on
+            raise ConfigError("data.source", spec, f"training files only; besides data.val_source={cfg.val_source} "
+                              f"it holds the held-out {kind} {path}{more}, which would be trained on: name the "
+                              f"training files (a file or glob), or leave {names} out of it")
         raise ConfigError("data.val_source", "", f"the held-out {kind} in data.source={spec}: set "
-                          f"data.val_source={path} (its documents become the validation set and are never "
-                          f"trained on), or leave files and folders named {'/'.join(HELD_OUT_NAMES)} (files: or "
-                          "numbered shards of them, or names ending in them) out of data.source")
+                          f"data.val_source={path}{more} (its documents become the validation set and are never "
+                          f"trained on), or leave {names} out of data.source")
     if local:
         if not files:
             raise ConfigError(key, spec, "files that are not also the validation source")
@@ -412,7 +436,7 @@ def current_files(cfg: DataConfig) -> set[str]:
     for spec, key in ((cfg.source, "data.source"), (cfg.val_source, "data.val_source")):
         if spec and (looks_local(spec) or spec == "stdlib"):
             try:
-                out |= {os.path.abspath(f) for f in source_files(spec, key)}
+                out |= {os.path.abspath(f) for f in source_files(spec, key, cfg.prepared_dir)}
             except ConfigError:  # matches nothing now: the fingerprint's files are reported gone
                 pass
     return out
@@ -455,8 +479,9 @@ def _encode(texts: list[str]):
     flat = np.concatenate([np.concatenate([x.astype(np.int64), eos]) for x in ids])
     lens = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     raw = [t.encode("utf-8") for t in texts]
-    hashes = np.array([int.from_bytes(hashlib.blake2b(r, digest_size=8).digest(), "little") for r in raw],
-                      dtype=np.uint64)
+    # of the text without surrounding whitespace: a paragraph last in one file keeps its final newline
+    hashes = np.array([int.from_bytes(hashlib.blake2b(t.strip().encode("utf-8"), digest_size=8).digest(), "little")
+                       for t in texts], dtype=np.uint64)
     return flat, lens, hashes, np.array([len(r) for r in raw], dtype=np.int64)
 
 
@@ -936,13 +961,16 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
             manifest = read_manifest(out, cfg)
             if manifest is not None:
                 check_manifest(cfg, out, manifest, tok)
-                return out
         except ConfigError:  # stale or damaged (its manifest file makes the directory ours)
             if not force:
                 raise
             _check_ours(out)  # replaced once the new one is complete: a bad row found mid-way keeps it
         else:
-            if out.exists():
+            if manifest is not None and not force:
+                return out
+            if manifest is not None:  # --force over current data: rebuilt all the same (keys outside the
+                _check_ours(out)      # directory's name may differ: data.shard_tokens), then swapped in
+            elif out.exists():
                 raise ConfigError("data.prepared_dir", cfg.prepared_dir,
                                   f"a directory mode can manage; {out} exists without a manifest: move it away")
         tmp = out.parent / f"{out.name}.tmp"

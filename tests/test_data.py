@@ -1,5 +1,6 @@
 """Prepared data: `datasets` sources -> memmap shards + manifest, the sampler, val_source, sample_by,
 tokenizers, bits per byte, and every bad input stopping in one line before anything starts."""
+import dataclasses
 import json
 import math
 import os
@@ -191,10 +192,17 @@ def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     monkeypatch.setattr(resource, "getrlimit", lambda what: (100, 120))  # a hard limit below the shards
     with pytest.raises(ConfigError, match=r"^config error: data.shard_tokens=1: shards few enough to keep open: "
-                                          r"this prepared data has 150 and the hard limit of open files is 120"):
+                                          r"this prepared data has 150 and the hard limit of open files is 120") as e:
         check_data(load_config(None, [f"data.source={d / 'docs.jsonl'}", f"data.prepared_dir={tmp_path / 'prepared'}",
                                       "data.shard_tokens=1", "data.val_fraction=0.1", "data.seq_len=8",
                                       "data.num_workers=1"]))
+    # Bug caught: the advice (`mode data prepare --force`) found the data current and did nothing:
+    # data.shard_tokens is not in the directory's name. The command it names now rebuilds it.
+    shard_tokens = int(re.search(r"--force data.shard_tokens=(\d+)`$", str(e.value)).group(1))
+    monkeypatch.setattr(prep, "_batches", real)
+    assert prep.prepare(dataclasses.replace(cfg, shard_tokens=shard_tokens), force=True, progress=False) == path
+    m = prep.read_manifest(path)
+    assert [len(m["splits"][s]["shards"]) for s in ("train", "val")] == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["validation.txt", "test.jsonl", "validation-00000-of-00001.parquet",
@@ -228,6 +236,68 @@ def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
     (d / "more.txt").write_text("more training text " * 50)
     path = prep.prepare(dcfg(tmp_path, source=str(d), val_fraction=0.5), progress=False)
     assert prep.read_manifest(path)["splits"]["val"]["documents"] >= 1
+
+
+def test_a_second_held_out_file_beside_val_source_is_refused(tmp_path):
+    """Bug caught: following the refusal's own advice for a folder of train.txt, validation.txt and
+    test.txt (data.val_source=folder/test.txt) trained on validation.txt without a word: the
+    held-out check was skipped whenever data.val_source was set."""
+    d = tmp_path / "fold"
+    d.mkdir()
+    for name in ("train", "validation", "test"):
+        (d / f"{name}.txt").write_text("\n\n".join(f"{name} paragraph {i} " * 8 for i in range(12)))
+    with pytest.raises(ConfigError, match=r"^config error: data.val_source='': the held-out file in "
+                                          rf"data.source={d}: set data.val_source={d / 'test.txt'} \(and 1 more\)"):
+        prep.prepare(dcfg(tmp_path, source=str(d), sample_by="paragraph"), progress=False)
+    with pytest.raises(ConfigError, match=rf"^config error: data.source='{d}': training files only; besides "
+                                          rf"data.val_source={d / 'test.txt'} it holds the held-out file "
+                                          rf"{d / 'validation.txt'}, which would be trained on"):
+        prep.prepare(dcfg(tmp_path, source=str(d), val_source=str(d / "test.txt"), sample_by="paragraph"),
+                     progress=False)
+    assert not (tmp_path / "prepared").exists() or not any((tmp_path / "prepared").iterdir())
+    path = prep.prepare(dcfg(tmp_path, source=str(d / "train.txt"), val_source=str(d / "test.txt"),
+                             sample_by="paragraph"), progress=False)
+    assert all(x.startswith("train") for x in documents(path, "train"))
+
+
+def test_a_validation_paragraph_is_never_trained_on_whatever_its_final_newline(tmp_path):
+    """Bug caught: training documents equal to a validation document were dropped by a hash of the
+    exact text, and a file's last paragraph keeps its final newline: a paragraph last in one file
+    and inside the other was trained on. Compared without surrounding whitespace now."""
+    a, b, c, e = ("alpha " * 30, "bravo " * 30, "charlie " * 30, "delta " * 30)
+    (tmp_path / "train.txt").write_text(f"{a}\n\n{b}\n\n{c}\n")
+    (tmp_path / "val.txt").write_text(f"{c}\n\n{e}\n")
+    (tmp_path / "val2.txt").write_text(f"{e}\n\n{c}\n\n{a}")  # and the other way round: c last, a unterminated
+    for val in ("val.txt", "val2.txt"):
+        cfg = dcfg(tmp_path / f"prep-{val}", source=str(tmp_path / "train.txt"), val_source=str(tmp_path / val),
+                   sample_by="paragraph")
+        path = prep.prepare(cfg, progress=False)
+        train = [x.strip() for x in documents(path, "train")]
+        held = {x.strip() for x in documents(path, "val")}
+        assert not held & set(train), (val, train)
+        assert prep.read_manifest(path)["train_documents_dropped_as_validation_duplicates"] == 3 - len(train)
+
+
+def test_a_prepared_dir_inside_the_source_folder_is_not_read_as_source(tmp_path):
+    """Bug caught: with data.prepared_dir inside the data.source folder (data/prepared beside a corpus
+    in data/), the first prepare read its own lock file as a training document, then found its data
+    stale (manifest.json "new"), and `--force` refused the folder's mix of json and text files."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for name in ("a", "b"):
+        (d / f"{name}.txt").write_text("\n\n".join(f"{name} paragraph {i} " * 8 for i in range(10)))
+    cfg = DataConfig(source=str(d), sample_by="paragraph", prepared_dir=str(d / "prepared"), num_workers=1,
+                     seq_len=8, val_fraction=0.2)
+    path = prep.prepare(cfg, progress=False)
+    m = prep.read_manifest(path)
+    assert sorted(Path(f[0]).name for f in m["fingerprint"]) == ["a.txt", "b.txt"]
+    assert all("paragraph" in x for x in documents(path, "train") + documents(path, "val"))
+    prep.check_manifest(cfg, path, m, prep.build_tokenizer(cfg))  # current, not stale
+    assert prep.prepare(cfg, progress=False) == path and prep.prepare(cfg, force=True, progress=False) == path
+    for holder in (d, tmp_path):  # a prepared_dir at or above the source: refused before anything is written
+        with pytest.raises(ConfigError, match=rf"^config error: data.prepared_dir='{holder}': a directory that does "
+                                              rf"not hold data.source={d} "):
+            prep.prepare(dataclasses.replace(cfg, prepared_dir=str(holder)), progress=False)
 
 
 @pytest.mark.parametrize("held", ["validation", "test", "Valid"])
@@ -517,12 +587,13 @@ def test_force_never_deletes_a_users_file_inside_a_prepared_directory(tmp_path):
     (path / "NOTES.txt").write_text("mine")
     (path / "run").mkdir()
     (path / "run" / "config.yaml").write_text("mine too")
-    assert prep.prepare(cfg, force=True, progress=False) == path  # current: nothing replaced, nothing said
-    os.utime(d / "a.txt", ns=(1, 1))  # stale
     before = sorted(p.relative_to(path) for p in path.rglob("*"))
-    with pytest.raises(ConfigError, match=r"holds NOTES.txt, run, which `mode data prepare` did not write"):
-        prep.prepare(cfg, force=True, progress=False)
-    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
+    for stale in (False, True):  # --force rebuilds current data too (another data.shard_tokens)
+        if stale:
+            os.utime(d / "a.txt", ns=(1, 1))
+        with pytest.raises(ConfigError, match=r"holds NOTES.txt, run, which `mode data prepare` did not write"):
+            prep.prepare(cfg, force=True, progress=False)
+        assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
     assert not list(path.parent.glob("*.tmp")) and not list(path.parent.glob("*.old"))
     (path / "NOTES.txt").unlink()
     shutil.rmtree(path / "run")
@@ -1107,13 +1178,14 @@ def test_data_prepare_says_when_the_data_was_prepared_already(tmp_path, corpus, 
     argv = ["data", "prepare", "--config", str(ROOT / "configs/tiny/dense.yaml"), f"data.source={corpus / 'txt'}",
             f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=1", "log.progress=false"]
     outs = []
-    # --force over data that is current is a no-op too; overrides may come before --config, as for
-    # `mode train` (bug caught: `unrecognized arguments`)
+    # overrides may come before --config, as for `mode train` (bug caught: `unrecognized arguments`);
+    # --force rebuilds current data (data.shard_tokens is not in its name: the only way to change it)
     for args in (argv, [*argv[:2], argv[4], *argv[2:4], *argv[5:]], argv + ["--force"]):
         assert main(args) == 0
         outs.append(capsys.readouterr().out.strip())
-    assert outs[0].startswith("prepared ") and "tokens/s over the whole prepare)" in outs[0], outs
-    assert all(o.startswith("already prepared ") and o.endswith(", when it was made)") for o in outs[1:]), outs
+    for o in (outs[0], outs[2]):
+        assert o.startswith("prepared ") and "tokens/s over the whole prepare)" in o, outs
+    assert outs[1].startswith("already prepared ") and outs[1].endswith(", when it was made)"), outs
 
 
 @pytest.mark.parametrize("print_config", [False, True])
