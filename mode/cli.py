@@ -157,7 +157,7 @@ def _data(argv) -> int:
     p = _OneLineParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
                                 "memory-mapped shards under data.prepared_dir (training then only reads them).")
     p.add_argument("--config", required=True)
-    p.add_argument("--force", action="store_true", help="rebuild a stale prepared directory (only that one)")
+    p.add_argument("--force", action="store_true", help="rebuild the prepared directory, stale or not (only that one)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     a = p.parse_intermixed_args(argv[1:])  # overrides before or after the options, as in `mode train`
     from mode.config import load_config

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import torch
 
 from mode.config import config_diff, is_int, is_number
 from mode.model import LM, build_model
+from mode.plan import has_depth_routing, has_moe, layer_plan
 
 
 # What `mode generate` and a `mode eval` task's generation_kwargs (mode.harness) accept for the same values.
@@ -385,6 +387,17 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     return (*out, source) if return_source else out
 
 
+def rows_independent(model, routing: str) -> bool:
+    """True when a row's log-probs do not depend on the other rows (or the trailing padding) of its
+    batch: causal routing decides each token from its own row's prefix, and expert layers at
+    sampling time are capped only by `inference_capacity_factor` (null = dropless; a value makes
+    the batch's rows share expert slots). A dense model's rows are independent under either routing."""
+    plan = layer_plan(model.cfg)
+    if routing != "causal":  # top-k over the sequence: padding and length change who is selected
+        return not has_depth_routing(plan) and not has_moe(plan)
+    return not has_moe(plan) or model.cfg.moe.inference_capacity_factor is None
+
+
 def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                  seed: int = 0, top_k: int = 0, top_p: float = 1.0, stop: list[str] | None = None,
                  completions: bool = False):
@@ -397,6 +410,10 @@ def cli_generate(run_dir: str, prompts: list[str], max_new_tokens: int, temperat
     if max_new_tokens < 0:
         raise ConfigError("--max-new-tokens", max_new_tokens, ">= 0")
     model, tok, _ = load_run(run_dir, device)
+    if len(prompts) > 1 and not rows_independent(model, "causal"):
+        print(f"warning: model.moe.inference_capacity_factor={model.cfg.moe.inference_capacity_factor}: the prompts "
+              "of this batch share expert slots, so a prompt's output depends on the others (null: dropless, "
+              "each prompt as if alone)", file=sys.stderr, flush=True)
     limit = model.cfg.max_seq_len
     n_tok = [1 + len(tok.encode(p)) for p in prompts]  # the EOS that starts a document, then the prompt
     i = max(range(len(prompts)), key=n_tok.__getitem__, default=None)  # the longest prompt decides

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mode.config import ConfigError
-from mode.plan import has_depth_routing, has_moe, layer_plan
+from mode.generate import rows_independent
 
 INSTALL_HINT = "mode eval needs lm-evaluation-harness: pip install -e '.[eval]'  (or: pip install lm-eval)"
 
@@ -55,17 +55,6 @@ def windows(stream: list[int], start: int, max_len: int) -> list[tuple[list[int]
         out.append((stream[max(0, end - 1 - max_len) : end - 1], end - p))
         p = end
     return out
-
-
-def rows_independent(model, routing: str) -> bool:
-    """True when a row's log-probs do not depend on the other rows (or the trailing padding) of its
-    batch: causal routing decides each token from its own row's prefix, and expert layers at
-    sampling time are capped only by `inference_capacity_factor` (null = dropless; a value makes
-    the batch's rows share expert slots). A dense model's rows are independent under either routing."""
-    plan = layer_plan(model.cfg)
-    if routing != "causal":  # top-k over the sequence: padding and length change who is selected
-        return not has_depth_routing(plan) and not has_moe(plan)
-    return not has_moe(plan) or model.cfg.moe.inference_capacity_factor is None
 
 
 # A generate_until request's generation_kwargs read by Scorer.generate_until -> mode.generate.SAMPLING's rule of each.
@@ -415,7 +404,7 @@ def scoring_note(model, routing: str) -> dict:
         return {"note": "topk: training-time routing (sees the whole window: not sampling-safe)", "sampling_safe": False}
     if model is None or rows_independent(model, routing):
         return {"note": "causal: sampling-time routing (no lookahead)", "sampling_safe": None if model is None else True}
-    return {"note": "causal depth routing, but expert capacity is shared by the window (model.moe."
+    return {"note": "causal routing, but expert capacity is shared by the window (model.moe."
                     f"inference_capacity_factor={model.cfg.moe.inference_capacity_factor}): a token's experts depend "
                     "on later tokens (lookahead; not sampling-safe)", "sampling_safe": False}
 
@@ -508,12 +497,15 @@ def main(argv=None) -> int:
         raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
     if a.batch_size < 1:
         raise ConfigError("--batch-size", a.batch_size, ">= 1")
-    if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0 or (a.limit > 1 and a.limit % 1)):
-        raise ConfigError("--limit", a.limit, "a finite number > 0: a whole count, or a fraction if < 1")
+    if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0 or (a.limit > 1 and a.limit % 1)
+                                or a.limit > sys.maxsize):
+        raise ConfigError("--limit", a.limit, f"a finite number > 0: a whole count up to {sys.maxsize}, or a "
+                          "fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing)
-    if a.out and not out.parent.is_dir():
+    own_eval = out.parent.resolve() == (Path(a.run) / "eval").resolve() and Path(a.run).is_dir()  # made if missing
+    if a.out and not own_eval and not out.parent.is_dir():
         why = "is a file" if out.parent.exists() else "does not exist"
         raise ConfigError("--out", a.out, f"a file in an existing directory ({out.parent} {why})")
     if a.out:  # the default, RUN/eval/, is the run's own
@@ -523,9 +515,18 @@ def main(argv=None) -> int:
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     res = evaluate(a.run, tasks, a.include_path, limit, a.batch_size, a.routing)
     print(format_table(res))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    tmp.replace(out)  # atomic: a reader never sees half a file
+    write_results(out, res)
     print(f"results: {out}")
     return 0
+
+
+def write_results(out: Path, res: dict) -> None:
+    """Whole or not at all (a reader never sees half a file); a failed write (a full disk: the check
+    before evaluating wrote an empty file) leaves no temporary file and names the results file."""
+    from mode.rundir import write_atomic
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, json.dumps(res, indent=2, default=str) + "\n")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(out)) from e

@@ -228,3 +228,17 @@ def test_readers_with_no_checkpoint_that_verifies_say_so_in_one_line(tmp_path, c
         shutil.rmtree(ckpt.step_dir(newest.parent, step))
     assert main(["generate", "--run", str(run), "--prompt", "ab"]) == 2
     assert "none yet; train it first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["moe", "moe+capped"])
+def test_a_batch_whose_prompts_share_expert_slots_is_said(tmp_path, capsys, preset):
+    """Bug caught: with model.moe.inference_capacity_factor set, the prompts of one `mode generate`
+    share expert slots (a prompt's output depends on the others), and nothing said so; `mode eval`
+    warned. One prompt, or dropless experts: no warning."""
+    from tests.util import fake_run
+
+    _, run = fake_run(tmp_path, preset)
+    for prompts in (["a"], ["a", "bc"]):
+        cli_generate(str(run), prompts, 2, temperature=0)
+        said = "share expert slots" in capsys.readouterr().err
+        assert said is (preset == "moe+capped" and len(prompts) > 1), (preset, prompts)

@@ -488,6 +488,18 @@ def stub_harness(monkeypatch):
     return started
 
 
+def test_an_explicit_out_in_the_runs_own_eval_folder_is_made(tmp_path, capsys, stub_harness):
+    """Bug caught: `--out RUN/eval/x.json` (the README's place for results) was refused ("a file in
+    an existing directory (RUN/eval does not exist)") until a default-path eval had made RUN/eval."""
+    (tmp_path / "run").mkdir()
+    out = tmp_path / "run" / "eval" / "x.json"
+    assert cli_main(["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    assert json.loads(out.read_text())["results"] == {"t1": {"acc,none": 0.5}} and stub_harness == [["t1"]]
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out",
+                             str(tmp_path / "run" / "other" / "x.json")], "does not exist)")
+
+
 def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stub_harness):
     """Bug caught: `mode eval ... --out notes.txt` silently replaced an existing file (unlike `mode
     export`, which refuses). An existing --out is now replaced only when it is a results file mode
@@ -552,7 +564,33 @@ def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_pat
                              str(tmp_path / "notes.md" / "r.json")], f"({tmp_path / 'notes.md'} is a file)")
 
 
-@pytest.mark.parametrize("limit", ["nan", "inf", "1.5"])
+def test_results_that_cannot_be_written_leave_no_file_and_name_theirs(tmp_path):
+    """Bug caught: on a full disk (the writability check before evaluating writes an empty file, so it
+    passes) `mode eval` left `.r.json.tmp` beside --out and said only `error: no space left on
+    device`. A real failed write here: a file size limit (RLIMIT_FSIZE: EFBIG past 16 bytes)."""
+    import resource
+    import signal
+
+    from mode.errors import one_line
+    from mode.harness import write_results
+
+    out = tmp_path / "eval" / "r.json"
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, limit[1]))
+        with pytest.raises(OSError) as e:
+            write_results(out, {"results": {"t": {"acc": 0.5}}})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert list(out.parent.iterdir()) == []
+    line, code = one_line(e.value)
+    assert code == 1 and str(out) in line, line
+    write_results(out, {"results": {}})  # and with room, the file whole
+    assert json.loads(out.read_text()) == {"results": {}} and list(out.parent.iterdir()) == [out]
+
+
+@pytest.mark.parametrize("limit", ["nan", "inf", "1.5", "1e19"])
 def test_eval_non_finite_limit_is_one_config_error(tmp_path, capsys, stub_harness, limit):
     """Bug caught: `mode eval --limit nan` passed the `> 0` check and died in int() with a ValueError
     line (inf: OverflowError); 1.5 scored one document silently."""
