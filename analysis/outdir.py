@@ -77,3 +77,22 @@ def make_report_dir(d: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     if not has_marker(d):
         (d / MARKER).write_text(json.dumps({"written_by": "mode report"}) + "\n")
+
+
+def remove_stale_figures(d: Path, written: list[str]) -> list[str]:
+    """After a report is written into `d` (which holds MARKER): the figures an earlier report wrote
+    under names this one no longer uses (a variant renamed `dense` -> `dense#1`), which report.md no
+    longer shows. Only report figure names, and never one that `written` (the .md files) refer to."""
+    if not has_marker(d):
+        return []
+    shown = set()
+    for name in written:
+        try:
+            shown |= set(re.findall(r"\]\(([^)]+\.png)\)", (d / name).read_text()))
+        except OSError:
+            pass
+    stale = sorted(p.name for p in d.iterdir() if p.suffix == ".png" and REPORT_FILES.match(p.name)
+                   and p.name not in shown and p.is_file())
+    for name in stale:
+        (d / name).unlink()
+    return stale

@@ -146,6 +146,8 @@ def _rate(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+SEED_STYLES = ("-", "--", ":", "-.")  # a variant's runs (seeds) in the loss plots, in order
+
 METRICS: list[Metric] = [
     Metric("eval_loss", "eval loss", lambda r, s: r.at("eval/loss", s), lambda x: f"{x:.4f}", at_eval_step=True),
     # bits per UTF-8 byte of the evaluated text: compares runs with different tokenizers
@@ -349,7 +351,7 @@ def plot_loss_curves(runs: list[RunLog], path: Path, x: str) -> Path | None:
                     keep = xs > 0
                     xs, loss = xs[keep], loss[keep]
                 label = f"{variant} ({tag.split('/')[0]})" if i == 0 else None
-                ax.plot(xs, loss, color=colors[variant], label=label, ls="-" if run.seed % 2 == 0 else "--", **style)
+                ax.plot(xs, loss, color=colors[variant], label=label, ls=SEED_STYLES[i % len(SEED_STYLES)], **style)
                 drew = True
     if not drew:
         plt.close(fig)
@@ -603,7 +605,7 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     unreadable is left out, named on stderr (one line) and in the report. An isoFLOP section is
     added when the runs form an isoFLOP grid; `budgets` (training FLOPs) names its budgets, else
     they are clustered."""
-    from analysis.outdir import check_report_dir, make_report_dir
+    from analysis.outdir import check_report_dir, make_report_dir, remove_stale_figures
 
     runs_dir = Path(runs_dir)
     skipped: list[tuple[Path, str]] = []
@@ -759,8 +761,20 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                          f"{s['last_step']} | {'yes' if s['done'] else 'no'} | {ev} |")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
-    (out_dir / "summary.json").write_text(json.dumps(summary_json(table), indent=2))
+    # strict JSON: a diverged seed's NaN is null (as in metrics.jsonl), which any JSON reader takes
+    (out_dir / "summary.json").write_text(json.dumps(finite_or_null(summary_json(table)), indent=2, allow_nan=False))
+    remove_stale_figures(out_dir, ["report.md", "isoflop.md"])  # an earlier report's, no longer shown
     return path
+
+
+def finite_or_null(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_or_null(v) for v in x]
+    return x
 
 
 def summary_json(table: dict[str, dict]) -> dict:

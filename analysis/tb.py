@@ -467,4 +467,11 @@ def forward_flops_per_token(run: RunLog) -> float | None:
 
 
 def variant_colors(variants: list[str]) -> dict[str, str]:
-    return {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    """matplotlib's 10 default colours; beyond 10 variants tab20's 20 (else two variants would share one)."""
+    if len(variants) <= 10:
+        return {v: f"C{i}" for i, v in enumerate(variants)}
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    tab20 = colormaps["tab20"].colors
+    return {v: to_hex(tab20[i % len(tab20)]) for i, v in enumerate(variants)}

@@ -810,10 +810,16 @@ def report(exp: Experiment) -> Path:
 
 
 def write_plan(exp: Experiment, runs: list[GridRun]) -> None:
+    """experiment.json: each run's config and overrides as last started. A run already finished keeps
+    its entry (a rerun with another execution key, e.g. train.log_every, skips it: it was not
+    trained with that)."""
     exp.runs_dir.mkdir(parents=True, exist_ok=True)
+    path = exp.runs_dir / PLAN
+    before = {e["name"]: e for e in json.loads(path.read_text())["runs"]} if is_plan(path) else {}
+    entries = [{"name": r.name, "variant": r.variant, "seed": r.seed, "config": r.config,
+                "overrides": r.overrides, "dir": str(r.dir)} for r in runs]
     plan = {"experiment": str(exp.path), "name": exp.name, "launcher": exp.launcher,
-            "runs": [{"name": r.name, "variant": r.variant, "seed": r.seed, "config": r.config,
-                      "overrides": r.overrides, "dir": str(r.dir)} for r in runs]}
+            "runs": [before.get(e["name"], e) if r.status == "done" else e for r, e in zip(runs, entries)]}
     (exp.runs_dir / "experiment.json").write_text(json.dumps(plan, indent=1) + "\n")
 
 

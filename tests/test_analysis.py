@@ -1052,9 +1052,14 @@ def test_a_seed_with_a_nan_eval_loss_is_not_left_out_of_its_variants_mean(tmp_pa
     for seed, v in enumerate(losses):
         _write_run(root / f"dense_seed{seed}", "dense", seed, v)
     report.analyze(root, tmp_path / "out")
-    dense = json.loads((tmp_path / "out" / "summary.json").read_text())["dense"]
+
+    def strict(c):  # bug caught too: summary.json held bare NaN, which strict JSON readers (JSON.parse) refuse
+        raise ValueError(f"not JSON: {c}")
+
+    dense = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=strict)["dense"]
     expect = float(np.mean(np.array(losses, dtype=np.float32), dtype=np.float64))  # TensorBoard stores float32
-    assert math.isnan(expect) and math.isnan(dense["eval_loss"]["mean"]) and dense["eval_loss"]["n"] == len(losses)
+    assert math.isnan(expect) and dense["eval_loss"]["mean"] is None and dense["eval_loss"]["n"] == len(losses)
+    assert [r["eval_loss"] for r in dense["runs"]][2] is None  # null, as in metrics.jsonl
     md = (tmp_path / "out" / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| `dense` |"))
     assert "| nan |" in row and "2.1000" not in row, row
@@ -1177,3 +1182,27 @@ def test_seeds_evaluated_at_different_steps_show_the_steps_read(tmp_path):
     row = next(line for line in (tmp_path / "out" / "report.md").read_text().splitlines()
                if line.startswith("| `dense` |"))
     assert row.startswith("| `dense` | 2 | 15–20 |"), row
+
+
+def test_a_reports_figures_no_longer_shown_are_removed_and_colours_stay_distinct(tmp_path):
+    """Bugs caught: a report rewritten after its variants were renamed (`dense` -> `dense#1`) kept the
+    old `routing_heatmap_dense.png` beside the new ones, unreferenced; beyond 10 variants two shared a
+    colour (C0..C9 cycled), and seeds 0 and 2 of a variant had the same line style."""
+    from analysis.tb import variant_colors
+
+    root, out = tmp_path / "runs", tmp_path / "out"
+    _write_run(root / "dense_seed0", "dense", 0, 2.0)
+    report.analyze(root, out)
+    for name in ("routing_heatmap_olddense.png", "entropy_vs_blocks_olddense.png", "loss_vs_time.png"):
+        (out / name).write_bytes(b"an earlier report's figure")
+    (out / "mine.png").write_bytes(b"not a report figure name: kept")
+    report.analyze(root, out)
+    names = {p.name for p in out.iterdir()}
+    assert "routing_heatmap_olddense.png" not in names and "entropy_vs_blocks_olddense.png" not in names
+    assert "mine.png" in names
+    md = (out / "report.md").read_text()
+    for name in names - {"mine.png"}:  # every figure left is one the report shows
+        assert not name.endswith(".png") or f"]({name})" in md, name
+    colors = variant_colors([f"v{i}" for i in range(15)])
+    assert len(set(colors.values())) == 15
+    assert len(set(report.SEED_STYLES)) == len(report.SEED_STYLES) >= 3

@@ -83,6 +83,12 @@ def test_grid_runs_skips_finished_and_resumes_interrupted(tmp_path, capsys, monk
     assert r.returncode == 0 and r.stderr.count("done, skipped") == 2 and "DeepSpeed" not in r.stderr
     assert last_line(r) == f"report: {report}"
     print(f"\nsecond invocation with every run done: {time.monotonic() - t0:.1f}s")
+    # bug caught: a rerun with another execution key skipped every run but wrote that key into the
+    # plan (experiment.json said train.log_every=3 for runs trained with 1)
+    plan = (runs / "experiment.json").read_text()
+    r = mode_here(capsys, monkeypatch, "compare", exp, "train.log_every=3")
+    assert r.returncode == 0 and r.stderr.count("done, skipped") == 2, r.stderr
+    assert (runs / "experiment.json").read_text() == plan
 
 
 @pytest.mark.slow
