@@ -13,6 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 from mode.config import ConfigError
 from mode.rundir import existing_base
@@ -88,7 +89,7 @@ def remove_stale_figures(d: Path, written: list[str]) -> list[str]:
     shown = set()
     for name in written:
         try:
-            shown |= set(re.findall(r"\]\(([^)]+\.png)\)", (d / name).read_text()))
+            shown |= {unquote(x) for x in re.findall(r"\]\(([^)]+\.png)\)", (d / name).read_text())}  # links quote '#'
         except OSError:
             pass
     stale = sorted(p.name for p in d.iterdir() if p.suffix == ".png" and REPORT_FILES.match(p.name)

@@ -1188,6 +1188,8 @@ def test_a_reports_figures_no_longer_shown_are_removed_and_colours_stay_distinct
     """Bugs caught: a report rewritten after its variants were renamed (`dense` -> `dense#1`) kept the
     old `routing_heatmap_dense.png` beside the new ones, unreferenced; beyond 10 variants two shared a
     colour (C0..C9 cycled), and seeds 0 and 2 of a variant had the same line style."""
+    from urllib.parse import quote
+
     from analysis.tb import variant_colors
 
     root, out = tmp_path / "runs", tmp_path / "out"
@@ -1202,7 +1204,7 @@ def test_a_reports_figures_no_longer_shown_are_removed_and_colours_stay_distinct
     assert "mine.png" in names
     md = (out / "report.md").read_text()
     for name in names - {"mine.png"}:  # every figure left is one the report shows
-        assert not name.endswith(".png") or f"]({name})" in md, name
+        assert not name.endswith(".png") or f"]({quote(name)})" in md, name
     colors = variant_colors([f"v{i}" for i in range(15)])
     assert len(set(colors.values())) == 15
     assert len(set(report.SEED_STYLES)) == len(report.SEED_STYLES) >= 3
