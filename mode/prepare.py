@@ -52,7 +52,7 @@ EXT_FORMAT = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".r
 # hub_config is left out while empty: data prepared before the key existed keeps its directory.
 KEY_FIELDS = ("source", "format", "text_key", "hub_split", "hub_config", "sample_by", "val_source", "tokenizer",
               "eos_token", "val_fraction", "max_documents", "split_seed")
-HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test")
+HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "test", "eval", "heldout", "holdout")
 # Data files only (not code: a Go package holds foo_test.go, a C project test.c), with wikitext's .raw/.tokens.
 DATA_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".raw", ".tokens")
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
@@ -333,7 +333,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
                               "documents are never trained on)")
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
-    files = [f for f in source_files(spec, key, cfg.prepared_dir) if os.path.abspath(f) not in exclude]
+    # (real paths: a link to a validation file is that file)
+    files = [f for f in source_files(spec, key, cfg.prepared_dir) if os.path.realpath(f) not in exclude]
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if cfg.hub_config and local:
         raise ConfigError("data.hub_config", cfg.hub_config, "empty for local files (a config name selects a subset "
@@ -365,7 +366,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
             raise ConfigError(key, spec, "a source of several documents; one text file is one document with "
                               "data.sample_by=document, so it would all go to training or all to validation: set "
                               "data.sample_by=paragraph or line, or a validation source data.val_source")
-        kw = {"sample_by": cfg.sample_by} if fmt == "text" else {"sep": "\t"} if fmt == "tsv" else {}
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
+        kw = {"sample_by": cfg.sample_by, "encoding": "utf-8-sig"} if fmt == "text" else {"sep": "\t"} if fmt == "tsv" else {}
         try:  # tsv: the csv builder with tabs
             ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt, data_files=files, split="train", streaming=True,
                                        **kw)
@@ -1039,7 +1041,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     val_docs = None
     if cfg.val_source:
         val_docs, val_desc, val_files = open_documents(cfg, "val_source")
-        exclude = tuple(os.path.abspath(f) for f in val_files)
+        exclude = tuple(os.path.realpath(f) for f in val_files)
     else:
         val_desc, val_files, exclude = None, [], ()
     docs, desc, files = open_documents(cfg, "source", exclude)

@@ -206,7 +206,7 @@ def test_more_shards_than_the_soft_open_file_limit(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["validation.txt", "test.jsonl", "validation-00000-of-00001.parquet",
-                                  "wiki.valid.raw"])
+                                  "wiki.valid.raw", "eval.txt", "heldout.txt"])
 def test_a_held_out_file_in_the_source_needs_val_source(tmp_path, name):
     """Bug caught: a folder with train.txt and validation.txt was two documents, one drawn at random as
     the validation set: with split_seed 0, 1 or 2 the model trained on validation.txt. Refused in one
@@ -258,6 +258,27 @@ def test_a_second_held_out_file_beside_val_source_is_refused(tmp_path):
     path = prep.prepare(dcfg(tmp_path, source=str(d / "train.txt"), val_source=str(d / "test.txt"),
                              sample_by="paragraph"), progress=False)
     assert all(x.startswith("train") for x in documents(path, "train"))
+
+
+def test_a_byte_order_mark_is_not_text_and_a_linked_val_source_is_the_source(tmp_path):
+    """Bugs caught: a UTF-8 byte-order mark (Windows editors write one) stayed in the first
+    document's tokens (bytes 239 187 191); a data.val_source that is a link to a file of data.source
+    dropped every training document as a duplicate and then asked for "a corpus with at least one
+    non-empty training document"."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_bytes("\ufeff".encode() + "\n\n".join(f"alpha {i} " * 6 for i in range(8)).encode())
+    (d / "b.txt").write_text("\n\n".join(f"bravo {i} " * 6 for i in range(8)))
+    path = prep.prepare(dcfg(tmp_path, source=str(d), sample_by="paragraph"), progress=False)
+    docs = documents(path, "train") + documents(path, "val")
+    assert "\ufeff" not in "".join(docs) and sum(x.startswith("alpha 0 ") for x in docs) == 1
+    (tmp_path / "val.txt").symlink_to(d / "b.txt")
+    with pytest.raises(ConfigError, match=r"data.source=.*files that are not also the validation source"):
+        prep.prepare(dcfg(tmp_path, source=str(d / "b.txt"), val_source=str(tmp_path / "val.txt"),
+                          sample_by="paragraph"), progress=False)
+    path = prep.prepare(dcfg(tmp_path, source=str(d), val_source=str(tmp_path / "val.txt"), sample_by="paragraph"),
+                        progress=False)
+    assert all(x.startswith("alpha") for x in documents(path, "train"))
 
 
 def test_a_validation_paragraph_is_never_trained_on_whatever_its_final_newline(tmp_path):
