@@ -470,6 +470,9 @@ def _init_worker(spec: dict, scratch: str | None = None) -> None:
     if scratch is not None:  # a pool's worker
         threading.Thread(target=_exit_with_parent, args=(os.getppid(), scratch), name="mode-parent",
                          daemon=True).start()
+        # Ctrl-C reaches the whole process group: the parent stops the pool (its one line, exit 130);
+        # a worker's own KeyboardInterrupt only printed a traceback beside it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: data.num_workers is the knob
     _TOK = tokenizer_from_spec(spec)
 
