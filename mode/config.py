@@ -190,7 +190,7 @@ class MoEConfig:
     d_expert: int = 0
     """Hidden width of each expert MLP; 0 means model.d_ff."""
     capacity_factor: Optional[float] = 1.0
-    """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens; null = dropless. T is one micro-batch on one rank (micro_batch_size x seq_len), as in Switch, GShard and DeepSpeed: changing the micro-batch / grad_accum split changes which routes drop (dense models are invariant to it)."""
+    """Per-expert capacity ceil(capacity_factor * top_k * T / E) for T tokens, exactly (DeepSpeed's own gate rounds in float32: one slot more for some factors, e.g. 0.3); null = dropless. T is one micro-batch on one rank (micro_batch_size x seq_len), as in Switch, GShard and DeepSpeed: changing the micro-batch / grad_accum split changes which routes drop (dense models are invariant to it)."""
     eval_capacity_factor: Optional[float] = None
     """Capacity factor in eval mode under training-time routing (eval/loss); null = same as capacity_factor."""
     inference_capacity_factor: Optional[float] = None

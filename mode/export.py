@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from mode.checkpoint import CheckpointError
-from mode.portable import TOKENIZER_DIR, WEIGHTS, save_weights
+from mode.portable import TOKENIZER_DIR, WEIGHTS, file_sha256, save_weights
 
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:
@@ -59,6 +59,7 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
             # "model": what the weights were trained as (config.yaml beside them can be edited; load_run checks)
             info = {"format": "mode-export-1", "run": str(Path(run_dir).resolve()),
                     "checkpoint": str(Path(source).resolve()), "parameters": sum(p.numel() for p in model.parameters()),
+                    "weights_sha256": file_sha256(tmp / WEIGHTS),  # load_run verifies what it reads back
                     "model": cfg.to_dict()["model"]}
             (tmp / "export.json").write_text(json.dumps(info, indent=2) + "\n")
             # safetensors creates its file 0600 whatever the umask; give it the bits a plain open got

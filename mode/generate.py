@@ -325,7 +325,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
     from mode.checkpoint import CONFIG, MODEL, WEIGHTS_GLOB, CheckpointError, trained_config
     from mode.config import ConfigError, load_config
     from mode.data import build_tokenizer
-    from mode.portable import TOKENIZER_DIR, WEIGHTS, is_export, load_weights
+    from mode.portable import TOKENIZER_DIR, WEIGHTS, file_sha256, is_export, load_weights
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -355,11 +355,19 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", return_sou
 
     if exported:
         info = run_dir / "export.json"
-        model_record = json.loads(info.read_text()).get("model") if info.is_file() else None
-        check_model(model_record and {"model": model_record}, "the export", "its export.json")
+        record = json.loads(info.read_text()) if info.is_file() else {}
+        check_model(record.get("model") and {"model": record["model"]}, "the export", "its export.json")
         model = build_model(cfg.model)
         source = run_dir / WEIGHTS
-        load_weights(model, source)
+        want = record.get("weights_sha256")  # (exports before it was recorded: not verified)
+        if want is not None and file_sha256(source) != want:
+            raise CheckpointError(f"{source} is damaged: its sha256 is not the one export.json recorded when it was "
+                                  "written; export the run again")
+        try:
+            load_weights(model, source)
+        except Exception as e:  # noqa: BLE001 - a damaged header (SafetensorError), other tensors (RuntimeError)
+            raise CheckpointError(f"cannot read {source}: {type(e).__name__}: {' '.join(str(e).split())[:200]} "
+                                  "(an export's weights do not match its config.yaml: export the run again)") from e
     else:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:

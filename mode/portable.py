@@ -22,6 +22,16 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
     save_model(model, str(path))
 
 
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import load_model
 

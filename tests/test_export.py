@@ -44,6 +44,35 @@ def test_export_gives_the_same_logits(tmp_path, preset, monkeypatch):
     shutil.rmtree(run)  # the export stands alone
 
 
+def test_a_damaged_exports_weights_are_refused_in_one_line_naming_the_file(tmp_path, capsys):
+    """Bug caught: an export's model.safetensors was read back unverified: bytes flipped inside a
+    tensor loaded and sampled from damaged weights, and a damaged header was `error: SafetensorError:
+    ...` naming no file. export.json records the file's sha256 now; load_run checks it."""
+    import hashlib
+
+    _, run = fake_run(tmp_path, "mod")
+    out = tmp_path / "out"
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 0
+    weights = out / "model.safetensors"
+    info = json.loads((out / "export.json").read_text())
+    assert info["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    good = weights.read_bytes()
+    for where in (len(good) - 40, 3):  # inside the last tensor; inside the header's length
+        bad = bytearray(good)
+        bad[where] ^= 0xFF
+        weights.write_bytes(bytes(bad))
+        assert cli_main(["generate", "--run", str(out), "--prompt", "x", "--max-new-tokens", "1"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {weights} is damaged"), err
+    info.pop("weights_sha256")  # an export from before the hash: the reader's own error, naming the file
+    (out / "export.json").write_text(json.dumps(info))
+    assert cli_main(["generate", "--run", str(out), "--prompt", "x", "--max-new-tokens", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot read {weights}: SafetensorError"), err
+    weights.write_bytes(good)
+    assert cli_main(["generate", "--run", str(out), "--prompt", "x", "--max-new-tokens", "1"]) == 0
+
+
 def test_an_exports_config_yaml_edited_with_another_model_key_is_refused(tmp_path):
     """Bug caught: an export's config.yaml edited by hand (model.rope_theta, model.norm_eps) loaded
     its weights silently into a model never trained (the run's checkpoints record their config;

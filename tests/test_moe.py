@@ -5,6 +5,7 @@ Shape legend: T tokens, D d_model, E real experts, N no-op experts, K top_k.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from mode.config import ConfigError, ModelConfig, MoEConfig, load_config
 from mode.model.layers import MLP
 from mode.moe import build_moe_mlp
 from mode.moe.native import NativeMoE
-from mode.routing.experts import ds_capacity
+from mode.routing.experts import expert_capacity
 
 
 def model_cfg(mlp="swiglu", d=16, f=32, **moe) -> ModelConfig:
@@ -60,7 +61,7 @@ def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=T
                 choice[(t, j)] = ranked[j]
     real = [(t, j) for j in range(K) for t in range(T) if (t, j) in choice and choice[(t, j)] < E]  # route order
     cf = mc.capacity_factor if training or mc.eval_capacity_factor is None else mc.eval_capacity_factor
-    cap = math.inf if cf is None else max(math.ceil(cf * K * n / E), mc.min_capacity)
+    cap = math.inf if cf is None else max(math.ceil(Fraction(str(cf)) * K * n / E), mc.min_capacity)  # exact
     kept = set()
     for e in range(E):
         mine = [r for r in real if choice[r] == e]
@@ -110,6 +111,23 @@ def reference(x_TD, Wr, w_in, w_out, mc: MoEConfig, kind, valid=None, training=T
         metrics["noop_frac"] = torch.tensor(sum(1 for e in choice.values() if e >= E) / (K * n))
     kept_routes = {(t, j, choice[(t, j)]) for (t, j) in kept}
     return y_TD, mc.lb_loss_weight * lb + mc.z_loss_weight * z, metrics, kept_routes
+
+
+@pytest.mark.parametrize("cf", [0.3, 0.6, 1.2])
+def test_native_dropping_at_a_factor_float32_rounds_equals_bruteforce(cf):
+    """At capacity factors whose float32 product rounds up (T=200, E=4: 0.3 -> 15 slots, float32 16)
+    the layer keeps exactly the ceiling's routes (bug caught: one route per expert more)."""
+    cfg = model_cfg(num_experts=4, top_k=1, capacity_factor=cf, lb_loss_weight=0.0)
+    m = native(cfg)
+    torch.manual_seed(0)
+    x = torch.randn(2, 100, 16) + 2.0 * torch.randn(16)  # a shared direction: the router overloads experts
+    y = m(x).view(200, 16)
+    params = [p.detach().clone() for p in (m.router.weight, m.w_in, m.w_out)]
+    y_ref, _, _, kept_ref = reference(x.view(200, 16), *params, cfg.moe, cfg.mlp)
+    assert kept_routes(m) == kept_ref
+    load = torch.bincount(torch.tensor([e for _, _, e in kept_ref]), minlength=4)
+    assert int(load.max()) == math.ceil(Fraction(str(cf)) * 200 / 4)  # an expert is full: the boundary is tested
+    torch.testing.assert_close(y, y_ref)
 
 
 def kept_routes(layer) -> set:
@@ -242,19 +260,33 @@ def test_noop_exclude_balance_renormalises_tokens_that_strongly_prefer_noops():
     torch.testing.assert_close(m.metrics["lb_loss"].double(), want, rtol=1e-6, atol=0)
 
 
-def test_capacity_matches_deepspeed_exactly():
+def test_capacity_is_the_exact_ceiling_deepspeeds_where_its_float32_is_exact():
+    """DESIGN 3.2: ceil(capacity_factor * k * T / E). Bug caught: capacity was DeepSpeed's float32
+    expression, one slot more than that for some factors (T=200, E=4, top-1, 0.3: 16, not 15),
+    while README and DESIGN state the ceiling. Checked against exact rationals, and against
+    DeepSpeed's `_capacity` where its float32 product is exact."""
+
     from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
 
     use_cpu_accelerator_without_cuda()
     from deepspeed.moe.sharded_moe import _capacity
 
-    for T in (1, 7, 100, 333, 4096):
-        for E in (1, 3, 8, 64):
-            for cf in (0.1, 0.3, 0.5, 1.0, 1.25, 2.0):
+    assert expert_capacity(200, 4, 0.3, 1, 1) == 15 and int(_capacity(torch.empty(200, 4), torch.tensor(0.3),
+                                                                      torch.tensor(1))) == 16
+    differs = 0
+    for T in (1, 7, 100, 200, 333, 4096):
+        for E in (1, 3, 4, 8, 64):
+            for cf in (0.1, 0.3, 0.5, 0.6, 1.0, 1.2, 1.25, 2.0):
                 for k in (1, 2, 3):
-                    want = int(_capacity(torch.empty(T, E), torch.tensor(cf * k), torch.tensor(2)))
-                    assert ds_capacity(T, E, cf, k, 2) == want, (T, E, cf, k)
-                    assert int(ds_capacity(torch.tensor(T), E, cf, k, 2)) == want
+                    want = max(math.ceil(Fraction(str(cf)) * k * T / E), 2)
+                    assert expert_capacity(T, E, cf, k, 2) == want, (T, E, cf, k)
+                    assert int(expert_capacity(torch.tensor(T), E, cf, k, 2)) == want
+                    ds = int(_capacity(torch.empty(T, E), torch.tensor(cf * k), torch.tensor(2)))
+                    assert ds in (want, want + 1), (T, E, cf, k)
+                    if cf in (0.5, 1.0, 1.25, 2.0):  # binary fractions: float32 is exact
+                        assert ds == want, (T, E, cf, k)
+                    differs += ds != want
+    assert differs > 0  # the factors above do reach DeepSpeed's rounding
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ separate steps (mode/moe/*), so every backend executes the same decisions.
 Semantics:
 - logits = x W^T and softmax in fp32; optional multiplicative jitter on x while training.
 - Capacity per real expert: ceil(capacity_factor * K * T / E) floored at min_capacity, T = the
-  valid tokens of this call (DeepSpeed's per-rank group); computed with DeepSpeed's exact
-  float32 expression so both agree on the boundary. capacity_factor None = dropless.
+  valid tokens of this call (DeepSpeed's per-rank group), in exact arithmetic (capacity_factor as
+  the decimal it was written as). DeepSpeed's `_capacity` computes it in float32, which gives one
+  slot more for some factors (0.3, 0.6, 1.2: T=200, E=4, top-1, 0.3 -> 16, not 15); every mode
+  backend takes this value. capacity_factor None = dropless.
   At sampling time (`sampling`: routing causal, generation) inference_capacity_factor applies,
   dropless by default: a shared capacity would let other tokens of the call push a route out.
 - `position` policy: routes claim slots in route order (all first choices before any second
@@ -27,10 +29,9 @@ Semantics:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,15 +64,21 @@ class Routing:
     """Token got at least one real-expert update."""
 
 
-def ds_capacity(num_tokens, num_experts: int, capacity_factor: float, k: int, min_capacity: int):
-    """DeepSpeed's `_capacity` with capacity_factor*k folded in (top-1: cf, top-2: cf*2, top-k: cf*k):
-    ceil(float32(T/E) * float32(cf*k)), floored at min_capacity. `num_tokens` is an int (returns an
-    int, no device work) or a 0-d tensor (returns a 0-d tensor on its device: no host sync)."""
+def expert_capacity(num_tokens, num_experts: int, capacity_factor: float, k: int, min_capacity: int):
+    """ceil(capacity_factor * k * T / E), exactly, floored at min_capacity. `num_tokens` is an int
+    (returns an int, no device work) or a 0-d tensor (returns a 0-d tensor on its device, integer
+    arithmetic: no host sync)."""
     if isinstance(num_tokens, int):
-        return _host_capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-    cf = torch.tensor(capacity_factor * k, dtype=torch.float32)
-    per_expert = (num_tokens.double() / num_experts).float()
-    return torch.ceil(per_expert * cf.to(per_expert.device)).long().clamp(min=min_capacity)
+        return _host_capacity(num_tokens, num_experts, capacity_factor, k, min_capacity)
+    num, den = capacity_ratio(capacity_factor, k, num_experts)
+    return ((num_tokens.long() * num + den - 1) // den).clamp(min=min_capacity)
+
+
+def capacity_ratio(capacity_factor: float, k: int, num_experts: int) -> tuple[int, int]:
+    """capacity_factor * k / E as (numerator, denominator): the factor as the decimal it was written
+    as (repr: 0.3 is 3/10, not the binary float), denominators bounded so T * numerator fits int64."""
+    r = Fraction(repr(float(capacity_factor))).limit_denominator(10**6) * k / num_experts
+    return r.numerator, r.denominator
 
 
 def count(idx_R: torch.Tensor, n: int) -> torch.Tensor:
@@ -80,15 +87,17 @@ def count(idx_R: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=idx_R.device).scatter_add_(0, idx_R, torch.ones_like(idx_R))
 
 
-def _host_capacity(num_tokens: int, num_experts: int, cf_k: float, min_capacity: int) -> int:
-    # float32 like DeepSpeed, in numpy: a tensor here would be a device read on every call.
-    return max(math.ceil(np.float32(num_tokens / num_experts) * np.float32(cf_k)), min_capacity)
+def _host_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
+    # Python integers: a tensor here would be a device read on every call.
+    num, den = capacity_ratio(capacity_factor, k, num_experts)
+    return max(-(-num_tokens * num // den), min_capacity)
 
 
 # A function of Python numbers: torch.compile folds it. This is the mark that
 # @torch.compiler.assume_constant_result sets (tests/test_compile.py checks it); the decorator
 # imports torch._dynamo, ~3 s of CPU in every process that only validates, evaluates or generates.
 _host_capacity._dynamo_marked_constant = True
+capacity_ratio._dynamo_marked_constant = True
 
 
 class ExpertRouter(nn.Module):
@@ -115,7 +124,7 @@ class ExpertRouter(nn.Module):
         """Static slots per expert for T token rows (None: dropless). An expert gets at most one
         route per token, so more than T slots would only hold padding."""
         cf = self.capacity_factor()
-        return None if cf is None else min(ds_capacity(T, self.E, cf, self.k, self.cfg.min_capacity), T)
+        return None if cf is None else min(expert_capacity(T, self.E, cf, self.k, self.cfg.min_capacity), T)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         x = x_TD.float()  # fp32 routing even under bf16: near-ties decide experts
@@ -155,7 +164,7 @@ class ExpertRouter(nn.Module):
         if cf is None:
             keep_TK, kept_E, cap_buf = real_TK, counts_E, None
         else:
-            cap = ds_capacity(n_valid, E, cf, K, cfg.min_capacity)
+            cap = expert_capacity(n_valid, E, cf, K, cfg.min_capacity)
             keep_TK = real_TK & (pos_TK < cap)
             kept_E = counts_E.clamp(max=cap)
             cap_buf = self.buffer_capacity(T)
