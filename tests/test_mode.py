@@ -110,24 +110,24 @@ def test_staged_block_equals_bruteforce_composition(routing):
         torch.nn.init.normal_(blk.router.router.weight, std=2.0 / 32 ** 0.5)
         torch.nn.init.normal_(blk.router.predictor[2].weight, std=3.0 / blk.router.predictor[2].weight.shape[1] ** 0.5)
         moe.router.weight.normal_(std=1.0)
-    x = torch.randn(3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x0 = torch.randn(3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x, xr = x0.clone().requires_grad_(), x0.clone().requires_grad_()  # the block's input, the reference's
     pos = torch.arange(32).expand(3, 32)
-    with torch.no_grad():
-        delta = blk(x, Ctx(pos, routing=routing))
-        sel_rows, attn_rows = [], []
-        for b in range(3):
-            r_S, sel = ref_select(blk, x[b], routing)
-            sel_rows.append((r_S, sel))
-            attn_rows.append(ref_attn(blk.inner.attn, x[b], sel, sel))
-        h_TD = torch.cat([x[b, sel] + a for b, ((_, sel), a) in enumerate(zip(sel_rows, attn_rows))])
-        mc = cfg.model.moe
-        if routing == "causal":  # sampling time: inference_capacity_factor (null: dropless)
-            from dataclasses import replace
+    delta = blk(x, Ctx(pos, routing=routing))
+    sel_rows, attn_rows = [], []
+    for b in range(3):
+        r_S, sel = ref_select(blk, xr[b], routing)
+        sel_rows.append((r_S, sel))
+        attn_rows.append(ref_attn(blk.inner.attn, xr[b], sel, sel))
+    h_TD = torch.cat([xr[b, sel] + a for b, ((_, sel), a) in enumerate(zip(sel_rows, attn_rows))])
+    mc = cfg.model.moe
+    if routing == "causal":  # sampling time: inference_capacity_factor (null: dropless)
+        from dataclasses import replace
 
-            mc = replace(mc, capacity_factor=mc.inference_capacity_factor)
-        y_TD, _, met, _ = reference(rms(blk.inner.mlp.norm, h_TD), moe.router.weight, moe.w_in, moe.w_out, mc,
-                                    cfg.model.mlp)
-    want = torch.zeros_like(x)
+        mc = replace(mc, capacity_factor=mc.inference_capacity_factor)
+    y_TD, _, met, _ = reference(rms(blk.inner.mlp.norm, h_TD), moe.router.weight, moe.w_in, moe.w_out, mc,
+                                cfg.model.mlp)
+    want = torch.zeros_like(x0)
     t = 0
     for b, ((r_S, sel), a) in enumerate(zip(sel_rows, attn_rows)):
         n = len(sel)
@@ -139,3 +139,12 @@ def test_staged_block_equals_bruteforce_composition(routing):
     else:
         assert len({len(s) for _, s in sel_rows}) > 1  # ragged rows
     torch.testing.assert_close(delta, want, rtol=1e-6, atol=1e-8)
+    # and the gradients of the update (the router through g(r), attention, experts, the input)
+    g = torch.randn(x0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    params = [blk.router.router.weight, blk.inner.attn.attn.qkv.weight, blk.inner.attn.attn.out.weight,
+              moe.router.weight, moe.w_in, moe.w_out]
+    got = torch.autograd.grad((delta * g).sum(), [x, *params])
+    ref = torch.autograd.grad((want * g).sum(), [xr, *params])
+    for name, a, b in zip(["x", "router", "qkv", "out", "expert router", "w_in", "w_out"], got, ref):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
