@@ -327,6 +327,8 @@ def _not_compares(d: Path, p: Path) -> str | None:
         return None
     if n == PLAN and p.is_file() and not p.is_symlink():
         return None if is_plan(p) else f"{n} (not mode compare's plan)"
+    if n == f".{PLAN}.tmp" and p.is_file() and not p.is_symlink():  # a write_plan killed part-way
+        return None
     if n == "slurm" and p.is_dir() and not p.is_symlink() and all(SLURM_FILE_RE.match(q.name) for q in p.iterdir()):
         return None
     if p.is_dir() and not p.is_symlink() and (has_marker(p) or (n == "report" and is_report_dir(p))):
@@ -820,7 +822,9 @@ def write_plan(exp: Experiment, runs: list[GridRun]) -> None:
                 "overrides": r.overrides, "dir": str(r.dir)} for r in runs]
     plan = {"experiment": str(exp.path), "name": exp.name, "launcher": exp.launcher,
             "runs": [before.get(e["name"], e) if r.status == "done" else e for r, e in zip(runs, entries)]}
-    (exp.runs_dir / "experiment.json").write_text(json.dumps(plan, indent=1) + "\n")
+    from mode.rundir import write_atomic
+
+    write_atomic(path, json.dumps(plan, indent=1) + "\n")  # whole or not at all: a torn plan blocks the grid
 
 
 def main(argv=None) -> int:

@@ -502,6 +502,8 @@ class RunConfig:
         # the report names figure files after it: a '/' would point them into a missing directory
         _check(not self.name or bool(NAME_RE.fullmatch(self.name)), "run.name", self.name,
                "empty or letters, digits, _ . - (starting with a letter or digit)")
+        # file names are made of it (the report's entropy_vs_blocks_<name>#<k>.png): 255 bytes at most
+        _check(len(self.name) <= 200, "run.name", self.name, "at most 200 characters (report file names hold it)")
 
 
 @dataclass

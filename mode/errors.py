@@ -4,6 +4,7 @@ command line, or MODE_DEBUG=1, shows the traceback instead."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -60,8 +61,9 @@ def with_own_config(line: str, argv: list[str]) -> str:
     return line.replace("--config F", shlex.join(["--config", cfg, *over]))
 
 
-def guarded(fn, argv: list[str]) -> int:
-    """fn(argv) -> exit code, with every exception turned into its one line (unless debugging)."""
+def guarded(fn, argv: list[str], broken_pipe: str | None = None) -> int:
+    """fn(argv) -> exit code, with every exception turned into its one line (unless debugging).
+    `broken_pipe`: the line for a command whose stopping there is worth one (a training run)."""
     debug, argv = wants_debug(argv)
     try:
         return fn(argv)
@@ -74,6 +76,9 @@ def guarded(fn, argv: list[str]) -> int:
         # Point stdout at devnull so the interpreter's flush at exit does not raise again (the
         # recipe of Python's signal docs, "Note on SIGPIPE"); 141 is the shell's status for SIGPIPE.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if broken_pipe:
+            with contextlib.suppress(OSError):
+                print(broken_pipe, file=sys.stderr, flush=True)
         return 141
     except Exception as e:  # noqa: BLE001 - the point: no traceback reaches a user unasked
         if debug:

@@ -162,6 +162,9 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     if not str(path).strip():
         raise ConfigError(key, path, "a non-empty path (an unset shell variable?)")
     d = Path(user_path(path))
+    if d.is_symlink() and not d.exists():  # dangling (or a loop): nothing could be made there
+        raise ConfigError(key, path, f"an existing directory or a new path ({d} is a symbolic link to "
+                                     f"{os.readlink(d)}, which does not exist)")
     if _is_within(Path.cwd().resolve(), d.resolve()) or d.resolve() == Path.home().resolve():
         raise ConfigError(key, path, "a directory that is neither the current directory, a parent of it nor the "
                                      "home directory (e.g. runs/NAME)")
@@ -301,9 +304,25 @@ class DirLock:
     """Exclusive lock on d/LOCK for this process's lifetime (or until release())."""
 
     def __init__(self, d: Path, key: str = "run.dir"):
+        made_dir = not d.exists()
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / LOCK
-        self.f = open(self.path, "a+")
+        made_lock = not self.path.exists()
+        # unbuffered: a write a full disk refuses raises here, and nothing is left to flush at close
+        # (a buffered file raised again from close() in __del__: a traceback after the error line)
+        self.f = open(self.path, "a+b", buffering=0)
+        try:
+            self._take(d, key)
+        except OSError as e:
+            self.f.close()
+            if made_lock:
+                self.path.unlink(missing_ok=True)
+            if made_dir:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only while empty: a start refused by the disk leaves no run.dir
+            raise OSError(e.errno, e.strerror, str(self.path)) from e  # names the place
+
+    def _take(self, d: Path, key: str) -> None:
         for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8, None):  # a probe's shared lock lasts microseconds: retry briefly
             try:
                 fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -321,15 +340,15 @@ class DirLock:
                   file=sys.stderr)
         self.f.seek(0)
         self.f.truncate()
-        self.f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                                 "cmd": " ".join(sys.argv)[:300]}))
-        self.f.flush()
+        data = memoryview(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                                      "cmd": " ".join(sys.argv)[:300]}).encode())
+        while data:  # a raw write may write part (a disk filling up): the rest raises its OSError
+            data = data[self.f.write(data):]
 
     def release(self) -> None:
         if getattr(self, "f", None) is not None and not self.f.closed:
             try:
                 self.f.truncate(0)
-                self.f.flush()
             except OSError:  # a full or read-only disk: the holder's line stays, its flock goes below
                 pass
             self.f.close()  # closing the descriptor drops the flock

@@ -607,7 +607,9 @@ class Trainer:
 def main(argv=None) -> int:
     from mode.errors import guarded
 
-    return guarded(_main, list(sys.argv[1:] if argv is None else argv))
+    return guarded(_main, list(sys.argv[1:] if argv is None else argv),
+                   broken_pipe="error: stopped: the reader of this run's output went away (a closed pipe, e.g. "
+                               "`| head`); its last checkpoint resumes it; send its output to a file instead")
 
 
 def _main(argv) -> int:

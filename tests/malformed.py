@@ -96,7 +96,7 @@ OVERRIDES = [
     ("run.dir=.. (parent)", ["run.dir=.."]),
     ("run.dir=/ (root)", ["run.dir=/"]),
     ("run.dir=. fresh", ["run.dir=.", "run.fresh=true"]),
-    *[(f"run.name={v}", [f"run.name={v}"]) for v in ("a/b", "-x")],  # a/b: the report's figure path crashed
+    *[(f"run.name={v}", [f"run.name={v}"]) for v in ("a/b", "-x", "n" * 250)],  # a/b: the report's figure path crashed; 250: its file name too long
     # accepted once, then failed after the workers started or trained silently wrong (session 15's audit)
     *[(f"{k}=10**30", [f"{k}={10**30}"]) for k in ("model.n_layers", "model.vocab_size", "data.max_documents")],
     ("model.moe.capacity_factor=1e38", ["model.moe.layers=every", "model.moe.capacity_factor=1e38"]),

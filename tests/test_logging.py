@@ -768,3 +768,14 @@ def test_bf16_gradients_summed_in_bf16_are_said_at_start(over, world):
         assert line.startswith("warning: deepspeed.precision=bf16 at deepspeed.zero_stage=0") and \
             f"train.grad_accum={cfg.train.grad_accum} micro-steps x {world} rank(s)" in line and \
             line.endswith("deepspeed.zero_stage=1 does neither"), line
+
+
+@pytest.mark.slow
+def test_a_run_whose_output_reader_went_away_says_so(tmp_path):
+    """Bug caught (fault walkthrough): `mode train ... | head -3` ended with exit 141 and nothing on
+    stderr: a training run stopped without a word (a closed pipe is quiet for `mode flops | head`)."""
+    cmd = (f"{PY} -m mode.cli train --config {CFG} {' '.join(TINY)} {' '.join(STEPS)} run.dir={tmp_path / 'run'} "
+           f"2> {tmp_path / 'err'} | head -2")
+    subprocess.run(cmd, shell=True, cwd=ROOT, env=env(1), timeout=600, stdout=subprocess.DEVNULL)
+    err = (tmp_path / "err").read_text()
+    assert "the reader of this run's output went away" in err and "Traceback" not in err, err[-2000:]

@@ -1537,3 +1537,53 @@ def test_read_only_checkpoints_are_refused_before_any_step(tmp_path):
     lines = one_line(r.stderr)
     assert r.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], r.stderr[-3000:]
     assert sorted(p.name for p in d.iterdir()) == ["LOCK", "checkpoints", "tb"]  # nothing written
+
+
+def test_a_lock_the_disk_refuses_is_one_line_and_leaves_no_run_dir(tmp_path, monkeypatch):
+    """Bug caught (fault walkthrough, a full disk): DirLock's buffered write failed, then close() in
+    __del__ flushed it again: `error: no space left on device` (no place named) followed by a
+    10-line `Exception ignored in: DirLock.__del__` traceback, and the new run.dir stayed holding
+    LOCK. A real refused write here: a file size limit (RLIMIT_FSIZE: EFBIG past 8 bytes)."""
+    import gc
+    import resource
+
+    from mode import rundir
+    from mode.errors import one_line
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)  # where "Exception ignored in" goes
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8, limit[1]))
+        with pytest.raises(OSError) as e:
+            rundir.DirLock(tmp_path / "run")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    gc.collect()
+    assert not unraisable, unraisable
+    line, code = one_line(e.value)
+    assert code == 1 and str(tmp_path / "run" / "LOCK") in line, line
+    assert not (tmp_path / "run").exists()
+    lock = rundir.DirLock(tmp_path / "run")  # with room: taken, and released whole
+    assert json.loads((tmp_path / "run" / "LOCK").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (tmp_path / "run" / "LOCK").read_text() == ""
+
+
+def test_a_dangling_symlink_run_dir_is_one_config_error(tmp_path):
+    """Bug caught (fault walkthrough): `run.dir` a symbolic link to nothing passed every check
+    (`exists()` is False: taken for a new path), then the start failed after DeepSpeed's init with
+    `error: FileExistsError` (a loop: `RuntimeError: Symlink loop`), exit 1, both ranks started."""
+    from mode import rundir
+    from mode.config import ConfigError
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for name in ("dangling", "loop"):
+        with pytest.raises(ConfigError, match=rf"^config error: run.dir='{tmp_path / name}': an existing directory "
+                                              r"or a new path \(.* is a symbolic link to .*, which does not exist\)"):
+            rundir.check(str(tmp_path / name), fresh=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop"]
+    (tmp_path / "nothing").mkdir()  # the link's target made: a run may go there
+    assert rundir.check(str(tmp_path / "dangling"), fresh=False) == tmp_path / "dangling"
