@@ -383,6 +383,18 @@ class Trainer:
             raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained with a "
                               f"different config ({'; '.join(diff)}); start it with that config, or start over with "
                               "run.fresh=true or another run.dir")
+        # A schedule that differs from the checkpoint's must be a change asked for now or recorded when
+        # it was asked for (run_info.json): config.yaml edited by hand passes check_run_dir's comparison
+        sched = schedule_diff(trained, self.cfg.to_dict()) if trained else {}
+        changes = self._saved_info().get("schedule_changes") or []
+        unasked = {k: ab for k, ab in sched.items()
+                   if not any(isinstance(c, dict) and list(c.get(k) or [])[1:] == [ab[1]] for c in changes)}
+        if unasked and not self.cfg.train.allow_schedule_change:
+            key, (was, now) = next(iter(unasked.items()))
+            raise ConfigError(key, msg=f"{key}={now!r}: checkpoint {last.name} of run.dir={self.cfg.run.dir!r} was "
+                              f"trained with {key}={was!r} and its LR schedule depends on it (its config.yaml was "
+                              "edited?); pass train.allow_schedule_change=true to change the schedule, or start it "
+                              "with the checkpoint's value")
         # ... and of its data: a rebuilt prepared_dir (an edited source, another tokenizer.json) passes
         # every config check, and the weights would go on training on other tokens
         why = data_change(client["data"], data_identity(self.data.manifest)) if client.get("data") else None

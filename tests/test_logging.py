@@ -534,6 +534,28 @@ def test_the_printed_command_continues_a_stop_at_set_in_the_yaml_file(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_schedule_edited_into_config_yaml_by_hand_is_refused(tmp_path, stopped_at_2):
+    """Bug caught (fault walkthrough): optim.warmup_steps edited in a run's config.yaml, then
+    `mode train --config RUN/config.yaml`, resumed on the new schedule without a word (the LR jumped;
+    no schedule_changes): the start compared with config.yaml, and the checkpoint's own config
+    check skipped the schedule keys. Now refused unless train.allow_schedule_change=true."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    cfg = run / "config.yaml"
+    text = cfg.read_text()
+    assert "  warmup_steps: 2\n" in text
+    cfg.write_text(text.replace("  warmup_steps: 2\n", "  warmup_steps: 4\n"))
+    edited = cfg.read_text()
+    r = mode_cli("train", "--config", cfg, f"run.dir={run}", "train.stop_at=0", check=False)
+    lines = [x for x in r.stderr.strip().splitlines() if "error" in x]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("config error: optim.warmup_steps=4: checkpoint step_00000002") and \
+        "allow_schedule_change" in lines[0], lines
+    assert cfg.read_text() == edited and not (run / "DONE").exists()
+    r = mode_cli("train", "--config", cfg, f"run.dir={run}", "train.stop_at=0", "train.allow_schedule_change=true")
+    assert (run / "DONE").exists()
+
+
+@pytest.mark.slow
 def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped_at_2):
     """Bug caught: the same time-boxed command run again (a requeued job) started the engine,
     trained nothing, and rewrote run_info.json and a TensorBoard file."""
