@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import yaml
@@ -57,6 +58,7 @@ class Loggers:
             drop_rows_after(run_dir / "metrics.jsonl", resumed_step if resumed_step else -1)
         from torch.utils.tensorboard import SummaryWriter
 
+        quiet_tensorboard_writer_thread()
         self.tb = SummaryWriter(str(run_dir / "tb"))
         self.jsonl = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (past the rows it dropped)
         if cfg.log.wandb:
@@ -121,6 +123,26 @@ class Loggers:
         self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if failed else 0)  # a fault shows as a failed W&B run
+
+
+def quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes events in a thread; a write that fails there (a full disk) printed that
+    thread's traceback beside the run's one error line. The writer keeps the exception and raises
+    it in the main thread at the next write or flush (Loggers.write names the run): that is the
+    one line; the thread's own report is dropped. Installed once; other threads' reports pass."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "mode_quiet_tensorboard", False):
+        return
+
+    def hook(args):
+        if isinstance(args.thread, _AsyncWriterThread) and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook.mode_quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -801,3 +801,29 @@ def test_a_run_whose_output_reader_went_away_says_so(tmp_path):
     subprocess.run(cmd, shell=True, cwd=ROOT, env=env(1), timeout=600, stdout=subprocess.DEVNULL)
     err = (tmp_path / "err").read_text()
     assert "the reader of this run's output went away" in err and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.slow  # its own interpreter: a file size limit for the whole process
+def test_a_tensorboard_write_the_disk_refuses_is_one_error_not_a_thread_traceback(tmp_path):
+    """Bug caught (fault walkthrough, a full disk while logging): TensorBoard's writer thread printed
+    `Exception in thread ...: Traceback ... event_file_writer.py` beside the run's one error line.
+    A real refused write here: RLIMIT_FSIZE (EFBIG) past 2 KB of events."""
+    code = f"""
+import resource, signal, sys
+from pathlib import Path
+from mode.config import load_config
+from mode.errors import one_line
+from mode.loggers import Loggers
+cfg = load_config({CFG!r}, [])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+log = Loggers(cfg, Path({str(tmp_path)!r}), enabled=True)
+try:
+    for step in range(1, 1000):
+        log.write({{"train/loss": 1.0 / step, "train/lr": 0.001}}, step)
+except OSError as e:
+    print(one_line(e)[0], file=sys.stderr)
+"""
+    r = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(tmp_path) in lines[0], r.stderr[-3000:]
