@@ -26,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from analysis.outdir import save_figure
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, config_signature, forward_flops_per_token, load_runs,
                          variant_colors, variant_sort_key)
 from mode.config import ConfigError, is_number, parse_yaml
+from mode.rundir import write_atomic
 
 BUDGETS_ALLOWED = "a positive FLOP number or a non-empty list of them, e.g. [1.0e15, 3.0e15]"
 # What an isoFLOP sweep varies between the runs of one curve: the model's size and, to hold the
@@ -285,7 +287,7 @@ def plot_isoflop(points: list[SizePoint], opts: list[Optimum], path: str | Path)
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if not lines:
         print("no isoFLOP grid found: no variant has two sizes at one budget", file=sys.stderr)
         return 1
-    (out / "isoflop.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "isoflop.md", "\n".join(lines) + "\n")
     print(out / "isoflop.md")
     return 0
 

@@ -97,3 +97,16 @@ def remove_stale_figures(d: Path, written: list[str]) -> list[str]:
     for name in stale:
         (d / name).unlink()
     return stale
+
+
+def save_figure(fig, path: Path, **kw) -> None:
+    """fig.savefig, whole or not at all: written beside and renamed over `path`, so a full disk leaves
+    an earlier report's figure as it was (a PNG cut part-way is what report.md would show)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, format="png", **kw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -26,11 +26,13 @@ from urllib.parse import quote
 import numpy as np
 
 # The helpers isoflop.py shares live in tb.py, so that report -> isoflop is the only edge (no cycle).
+from analysis.outdir import save_figure
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, damaged_line, forward_flops_per_token, group_by_variant,
                          load_runs, skipped_line, variant_colors, variant_sort_key)
 from mode.config import flatten, is_number
 from mode.console import si
 from mode.prepare import KEY_FIELDS
+from mode.rundir import write_atomic
 
 
 class NoRuns(ValueError):
@@ -366,7 +368,7 @@ def plot_loss_curves(runs: list[RunLog], path: Path, x: str) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over a curve
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -543,7 +545,7 @@ def plot_per_layer(panels: list[Panel], colors: dict[str, str], path: Path) -> P
     fig.tight_layout()
     fig.legend(handles.values(), handles.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0),
                ncol=min(4, len(handles)), frameon=False)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -760,9 +762,9 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
             lines.append(f"| `{s['run']}` | `{_rel(Path(s['path']), runs_dir)}` | `{s['variant']}` | {s['seed']} | "
                          f"{s['last_step']} | {'yes' if s['done'] else 'no'} | {ev} |")
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
     # strict JSON: a diverged seed's NaN is null (as in metrics.jsonl), which any JSON reader takes
-    (out_dir / "summary.json").write_text(json.dumps(finite_or_null(summary_json(table)), indent=2, allow_nan=False))
+    write_atomic(out_dir / "summary.json", json.dumps(finite_or_null(summary_json(table)), indent=2, allow_nan=False))
     remove_stale_figures(out_dir, ["report.md", "isoflop.md"])  # an earlier report's, no longer shown
     return path
 

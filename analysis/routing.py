@@ -162,7 +162,9 @@ def plot_engagement_vs_entropy(stats: EngagementVsEntropy, path: str | Path, tit
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    from analysis.outdir import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -211,7 +213,9 @@ def plot_routing_heatmap(dump: RoutingDump, path: str | Path, row: int = 0, star
         ax_ent.set_xlabel("position")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # keep the key right of the map
+    from analysis.outdir import save_figure
+
+    save_figure(fig, path, dpi=110, bbox_inches="tight")  # keep the key right of the map
     plt.close(fig)
     return path
 

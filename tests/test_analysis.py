@@ -1208,3 +1208,37 @@ def test_a_reports_figures_no_longer_shown_are_removed_and_colours_stay_distinct
     colors = variant_colors([f"v{i}" for i in range(15)])
     assert len(set(colors.values())) == 15
     assert len(set(report.SEED_STYLES)) == len(report.SEED_STYLES) >= 3
+
+
+def test_a_figure_the_disk_refuses_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """Bug caught (fault walkthrough, a full disk): `mode analyze` rewrote its figures in place, so a
+    report rewritten onto a full disk left loss_vs_step.png cut at 40 KB ("image file is truncated")
+    under the earlier report.md. Now written beside and renamed: the earlier figure stays whole.
+    A real refused write: RLIMIT_FSIZE (EFBIG past 4 KB)."""
+    import resource
+    import signal
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.outdir import save_figure
+
+    path = tmp_path / "loss_vs_step.png"
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, path, dpi=50)
+    good = path.read_bytes()
+    fig, ax = plt.subplots(figsize=(12, 8))  # a bigger figure: past the limit
+    ax.plot(np.random.default_rng(0).normal(size=2000))
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max(4096, len(good) + 1), limit[1]))
+        with pytest.raises(OSError):
+            save_figure(fig, path, dpi=110)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+        plt.close("all")
+    assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["loss_vs_step.png"]
