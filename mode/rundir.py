@@ -151,8 +151,19 @@ def is_mode_run(d: Path, besides: str | None = None, proofs: tuple = SIGNATURES)
     `proofs`: the signatures that count."""
     if not d.is_dir() or [n for n in foreign_entries(d) if n != besides]:
         return False
-    found = [_signature(d / s) for s in proofs if (d / s).exists()]
-    return True in found and False not in found
+    found = {s: _signature(d / s) for s in proofs if (d / s).exists()}
+    if found.get(CHECKPOINTS):  # step checkpoints prove the run: a LOCK or run_info.json that is no JSON at
+        # all (cut or zeroed by a crash) is damage to it, not a user's file (a user's JSON still refuses)
+        found.update({s: None for s in (LOCK, "run_info.json") if found.get(s) is False and _not_json(d / s)})
+    return True in found.values() and False not in found.values()
+
+
+def _not_json(p: Path) -> bool:
+    try:
+        json.loads(p.read_text())
+    except (OSError, ValueError):
+        return p.is_file()
+    return False
 
 
 def check_place(path: str, key: str = "run.dir") -> Path:

@@ -1587,3 +1587,23 @@ def test_a_dangling_symlink_run_dir_is_one_config_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop"]
     (tmp_path / "nothing").mkdir()  # the link's target made: a run may go there
     assert rundir.check(str(tmp_path / "dangling"), fresh=False) == tmp_path / "dangling"
+
+
+def test_a_run_with_a_crash_damaged_lock_or_run_info_is_still_a_run(tmp_path):
+    """Bug caught (fault walkthrough): a LOCK left holding NUL bytes (a crash) or an emptied or cut
+    run_info.json made the run "not a mode run (its run_info.json holds what mode does not write
+    there)": neither resumable nor startable over, and the message meant for it ("its run_info.json
+    is damaged ...; delete it") never reached. With step checkpoints proving the run, text that is no
+    JSON at all is damage; a user's own JSON file of that name still refuses."""
+    from mode import rundir
+    from mode.config import ConfigError
+    from tests.util import fake_run
+
+    _, run = fake_run(tmp_path, "dense")
+    for name, content in (("LOCK", "\0" * 64), ("run_info.json", ""), ("run_info.json", '{"world_size": 1, "tok')):
+        (run / name).write_text(content)
+        assert rundir.check(str(run), fresh=False) == run, (name, content)
+        (run / name).unlink()
+    (run / "run_info.json").write_text(json.dumps({"my": "notes"}))  # valid JSON, not mode's: a user's
+    with pytest.raises(ConfigError, match="its run_info.json holds what mode does not write there"):
+        rundir.check(str(run), fresh=False)
