@@ -179,7 +179,7 @@ MUTANTS = [
      "        if found[1]:\n", "        if False:\n", CKPT),
     # Run directories and prepared data
     ("a run is recognised by its entries' names alone", "mode/rundir.py",
-     "    return True in found and False not in found\n", "    return bool(found)\n", CKPT),
+     "    return True in found.values() and False not in found.values()\n", "    return bool(found)\n", CKPT),
     ("rotation deletes any *.tmp directory in checkpoints/", "mode/checkpoint.py",
      'root.glob("step_*.tmp")', 'root.glob("*.tmp")', CKPT),
     ("rotation deletes a user's file inside an old checkpoint", "mode/checkpoint.py",
@@ -513,6 +513,18 @@ MUTANTS = [
     ("summary.json writes NaN", "analysis/report.py",
      "json.dumps(finite_or_null(summary_json(table)), indent=2, allow_nan=False)", "json.dumps(summary_json(table), indent=2)",
      ["tests/test_analysis.py"]),
+    ("a lock write the disk cut part-way is taken as whole", "mode/rundir.py",
+     "        while data:  # a raw write", "        if data:  # a raw write", ["tests/test_reliability.py"]),
+    ("a dangling symlink run.dir passes the checks", "mode/rundir.py",
+     "    if d.is_symlink() and not d.exists():  # dangling", "    if False:  # dangling", ["tests/test_reliability.py"]),
+    ("run.name of any length", "mode/config.py", "_check(len(self.name) <= 200,", "_check(len(self.name) <= 2000,",
+     ["tests/test_reliability.py"]),
+    ("a report's figure rewritten in place", "analysis/outdir.py",
+     'fig.savefig(tmp, format="png", **kw)\n        os.replace(tmp, path)', 'fig.savefig(path, format="png", **kw)',
+     ["tests/test_analysis.py"]),
+    ("a crash-damaged LOCK makes a run not a run", "mode/rundir.py",
+     '        found.update({s: None for s in (LOCK, "run_info.json")', '        found.update({s: found[s] for s in (LOCK, "run_info.json")',
+     ["tests/test_reliability.py"]),
 ]
 
 
