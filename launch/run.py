@@ -263,7 +263,7 @@ def check_ssh(hostfile: str, hosts: list[str], ssh_port: int | None, timeout: fl
 
 
 def parser() -> argparse.ArgumentParser:
-    from mode.errors import OneLineParser  # bad options: one line, exit 2, as `mode`'s commands
+    from mode.errors import OneLineParser, Once  # bad options: one line, exit 2, as `mode`'s commands
 
     p = OneLineParser(prog="python -m launch.run", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -290,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-only", action="store_true",
                    help="check the config, print the absolute run.dir and exit (0, or 2 on a bad config)")
     p.add_argument("--dry-run", action="store_true", help="check the config, print the launcher command, exit")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, action=Once)
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     return p
 

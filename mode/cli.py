@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from mode.errors import Once
 from mode.errors import OneLineParser as _OneLineParser  # bad options: one line, exit 2
 
 
@@ -17,7 +18,7 @@ def _flops(argv) -> int:
     from mode.flops import count, format_table
 
     p = _OneLineParser(prog="mode flops", description="Parameters and forward FLOPs per token.")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, action=Once)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
     p.add_argument("--knob", default="model.mod.capacity", help="float field tuned by --match")
@@ -156,7 +157,7 @@ def _data(argv) -> int:
         return 0 if helps else 2
     p = _OneLineParser(prog="mode data prepare", description="Tokenize the configured corpus once into "
                                 "memory-mapped shards under data.prepared_dir (training then only reads them).")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, action=Once)
     p.add_argument("--force", action="store_true", help="rebuild the prepared directory, stale or not (only that one)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     a = p.parse_intermixed_args(argv[1:])  # overrides before or after the options, as in `mode train`

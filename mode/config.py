@@ -340,6 +340,7 @@ class DataConfig:
         _check(self.tokenizer != "byte" or not self.eos_token, "data.eos_token", self.eos_token,
                "empty with data.tokenizer=byte (its EOS is its own id 256)")
         _check(bool(self.prepared_dir), "data.prepared_dir", self.prepared_dir, "a directory path")
+        _check(short_parts(self.prepared_dir), "data.prepared_dir", self.prepared_dir, SHORT_PARTS)
         for key, src in (("data.source", self.source), ("data.val_source", self.val_source)):
             if src and src != "stdlib" and looks_local(src):
                 import glob
@@ -347,6 +348,13 @@ class DataConfig:
         if self.tokenizer != "byte" and looks_local(self.tokenizer):
             _check(Path(self.tokenizer).expanduser().exists(), "data.tokenizer", self.tokenizer,
                    "`byte`, a local directory holding tokenizer.json, a tokenizer.json file, or a cached hub name")
+
+
+SHORT_PARTS = "a path whose every component (file or directory name) is at most 255 bytes, the filesystem's limit"
+
+
+def short_parts(path: str) -> bool:
+    return all(len(part.encode("utf-8", "surrogateescape")) <= 255 for part in Path(os.path.expanduser(path)).parts)
 
 
 def looks_local(s: str) -> bool:
@@ -499,6 +507,7 @@ class RunConfig:
 
     def validate(self) -> None:
         _check(bool(self.dir.strip()), "run.dir", self.dir, "a non-empty path (an unset shell variable?)")
+        _check(short_parts(self.dir), "run.dir", self.dir, SHORT_PARTS)
         # the report names figure files after it: a '/' would point them into a missing directory
         _check(not self.name or bool(NAME_RE.fullmatch(self.name)), "run.name", self.name,
                "empty or letters, digits, _ . - (starting with a letter or digit)")

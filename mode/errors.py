@@ -19,6 +19,16 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class Once(argparse.Action):
+    """An option given at most once: `--config a.yaml ... --config b.yaml` (argparse's last wins)
+    would train one of two configs without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): give it once")
+        setattr(namespace, self.dest, values)
+
+
 def wants_debug(argv: list[str]) -> tuple[bool, list[str]]:
     debug = "--debug" in argv or os.environ.get("MODE_DEBUG", "") not in ("", "0")
     return debug, [a for a in argv if a != "--debug"]

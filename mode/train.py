@@ -625,10 +625,10 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    from mode.errors import OneLineParser  # bad options: one line, exit 2
+    from mode.errors import OneLineParser, Once  # bad options: one line, exit 2
 
     p = OneLineParser(prog="mode train", description="Train a model from a YAML config.")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, action=Once)
     p.add_argument("--print-config", action="store_true", help="check the config and the data as a start would "
                    "(without preparing the data or writing anything), print it, exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")

@@ -95,6 +95,8 @@ OVERRIDES = [
     ("run.dir=. (cwd)", ["run.dir=."]),
     ("run.dir=.. (parent)", ["run.dir=.."]),
     ("run.dir=/ (root)", ["run.dir=/"]),
+    ("run.dir with a 256-byte name", [f"run.dir=runs/{'r' * 256}"]),  # was `error: file name too long`, exit 1
+    ("data.prepared_dir with a 256-byte name", [f"data.prepared_dir=data/{'p' * 256}"]),
     ("run.dir=. fresh", ["run.dir=.", "run.fresh=true"]),
     *[(f"run.name={v}", [f"run.name={v}"]) for v in ("a/b", "-x", "n" * 250)],  # a/b: the report's figure path crashed; 250: its file name too long
     # accepted once, then failed after the workers started or trained silently wrong (session 15's audit)

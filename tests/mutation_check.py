@@ -525,6 +525,11 @@ MUTANTS = [
     ("a crash-damaged LOCK makes a run not a run", "mode/rundir.py",
      '        found.update({s: None for s in (LOCK, "run_info.json")', '        found.update({s: found[s] for s in (LOCK, "run_info.json")',
      ["tests/test_reliability.py"]),
+    ("--config given twice: the last wins", "mode/errors.py",
+     "        if getattr(namespace, self.dest, None) is not None:", "        if False:", ["tests/test_config.py"]),
+    ("a path component over the filesystem's 255 bytes passes the config check", "mode/config.py",
+     'len(part.encode("utf-8", "surrogateescape")) <= 255', 'len(part.encode("utf-8", "surrogateescape")) <= 2550',
+     ["tests/test_reliability.py"]),
 ]
 
 

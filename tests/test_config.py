@@ -174,3 +174,14 @@ def test_a_missing_path_with_a_space_is_a_missing_path_not_a_hub_name(tmp_path, 
         load_config(ROOT / "configs/tiny/dense.yaml", [override])
     key, value = override.split("=", 1)
     assert str(e.value).startswith(f"config error: {key}={value!r}: {allowed}"), str(e.value)
+
+
+def test_config_given_twice_is_refused(capsys):
+    """Bug caught (fault walkthrough): `mode train --config a.yaml ... --config b.yaml` trained b
+    without a word (argparse keeps the last)."""
+    from mode.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/tiny/dense.yaml", "--config", "configs/tiny/mod.yaml", "--print-config"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--config given twice" in err[0], err
