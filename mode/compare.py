@@ -918,7 +918,8 @@ def again_command(a, *flags: str, stop_at: bool = True) -> str:
     `stop_at=False`: the command that continues stopped runs, with train.stop_at=0 in place of the
     user's (the stop may come from the experiment's overrides or a run's config file)."""
     only = a.only or []
-    over = [v for v in a.overrides if stop_at or not v.startswith("train.stop_at=")] + ([] if stop_at else ["train.stop_at=0"])
+    over = a.overrides if stop_at else [
+        *(v for v in a.overrides if not v.startswith("train.stop_at=")), "train.stop_at=0"]
     cmd = ["mode", "compare", a.experiment, *over]
     if a.runs_dir is not None:
         cmd += ["--runs-dir", a.runs_dir]

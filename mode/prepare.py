@@ -235,7 +235,8 @@ def stdlib_files() -> list[str]:
 
 
 def _inside(path: str, root: str) -> bool:
-    path, root = os.path.realpath(path), os.path.realpath(root)
+    """`path` (followed through links) is `root` (a real path) or below it."""
+    path = os.path.realpath(path)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -247,7 +248,8 @@ def source_files(spec: str, key: str, prepared_dir: str = "") -> list[str]:
         return stdlib_files()
     if not looks_local(spec):
         return []
-    if prepared_dir and _inside(glob_root(spec), os.path.expanduser(prepared_dir)):
+    prepared = os.path.realpath(os.path.expanduser(prepared_dir)) if prepared_dir else None
+    if prepared and _inside(glob_root(spec), prepared):
         raise ConfigError("data.prepared_dir", prepared_dir, f"a directory that does not hold {key}={spec} (its "
                           "prepared files would be read as text)")
     files = []
@@ -257,8 +259,8 @@ def source_files(spec: str, key: str, prepared_dir: str = "") -> list[str]:
                             if os.path.isfile(f) and not Path(f).name.startswith("."))
         elif os.path.isfile(m):
             files.append(m)
-    if prepared_dir:
-        files = [f for f in files if not _inside(f, os.path.expanduser(prepared_dir))]
+    if prepared:
+        files = [f for f in files if not _inside(f, prepared)]
     if not files:
         raise ConfigError(key, spec, "an existing file, a directory with files, or a glob matching files")
     return files
@@ -367,7 +369,8 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
                               "data.sample_by=document, so it would all go to training or all to validation: set "
                               "data.sample_by=paragraph or line, or a validation source data.val_source")
         # utf-8-sig: a byte-order mark (Windows editors write one) is not text of the first document
-        kw = {"sample_by": cfg.sample_by, "encoding": "utf-8-sig"} if fmt == "text" else {"sep": "\t"} if fmt == "tsv" else {}
+        kw = ({"sample_by": cfg.sample_by, "encoding": "utf-8-sig"} if fmt == "text"
+              else {"sep": "\t"} if fmt == "tsv" else {})
         try:  # tsv: the csv builder with tabs
             ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt, data_files=files, split="train", streaming=True,
                                        **kw)

@@ -502,7 +502,7 @@ MUTANTS = [
      'if which == "source" and held and spec != "stdlib" and not repo:',
      'if which == "source" and held and not cfg.val_source and spec != "stdlib" and not repo:', ["tests/test_data.py"]),
     ("files under data.prepared_dir are read as source", "mode/prepare.py",
-     "files = [f for f in files if not _inside(f, os.path.expanduser(prepared_dir))]", "pass",
+     "files = [f for f in files if not _inside(f, prepared)]", "pass",
      ["tests/test_data.py"]),
     ("--force leaves current data as it is", "mode/prepare.py",
      "if manifest is not None and not force:", "if manifest is not None:", ["tests/test_data.py"]),
