@@ -411,6 +411,30 @@ def test_a_config_written_back_from_a_checkpoints_config_json_resumes(tmp_path):
         check_run_dir(load_config(CFG, [*TINY, f"run.dir={d}", "optim.weight_decay=0.5"]))
 
 
+def test_a_key_added_by_hand_to_a_runs_config_is_named_not_answered_with_run_fresh(tmp_path):
+    """Bug caught: a typo added by hand to run.dir/config.yaml (`train.max_stepz: 5`) was refused as
+    "a different config ... pass run.fresh=true to start over": advice that deletes the run for a
+    line to remove. The key is named as not a config key; the run itself still resumes."""
+    import json
+
+    from mode.config import ConfigError, load_config
+    from mode.train import check_run_dir
+
+    d = tmp_path / "run"
+    (d / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (d / "run_info.json").write_text('{"world_size": 1}')
+    cfg = load_config(CFG, [*TINY, f"run.dir={d}"])
+    saved = cfg.to_dict()
+    saved["train"]["max_stepz"] = 5
+    (d / "config.yaml").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"has train.max_stepz=5, which is not a config key") as e:
+        check_run_dir(cfg)
+    assert "run.fresh" not in str(e.value)
+    del saved["train"]["max_stepz"]
+    (d / "config.yaml").write_text(json.dumps(saved))
+    assert check_run_dir(cfg) is not None
+
+
 def test_a_requeued_slurm_job_resumes_the_run_it_started_fresh(tmp_path):
     """Bug caught: a job with run.fresh=true that SLURM requeued re-ran its command and deleted what
     it had trained before the requeue. Fresh still holds for another job, a first start and a
