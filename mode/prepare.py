@@ -518,7 +518,12 @@ def _encode_to_file(texts: list[str], path: str) -> str:
     """_encode with the arrays left in a file: a worker killed while it sends a large result leaves half a
     message in the result pipe, and ProcessPoolExecutor then waits for the rest forever (seen here: 1 in
     ~25 kills); a short path is one atomic pipe write."""
-    np.savez(path, *_encode(texts))
+    arrays = _encode(texts)
+    try:
+        np.savez(path, *arrays)
+    except OSError as e:  # zipfile names no file: a full $TMPDIR is told as that place, not the prepared_dir
+        e.filename = e.filename or path
+        raise
     return path
 
 
@@ -987,7 +992,11 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
         tmp.mkdir(exist_ok=True)  # a killed prepare's leftovers are resumed (or cleared) by _write_shards
         (tmp / MARKER).write_text(f"pid {os.getpid()}\n")
         try:
-            manifest = _write_shards(cfg, tok, tmp, progress)
+            try:
+                manifest = _write_shards(cfg, tok, tmp, progress)
+            except OSError as e:  # a shard's write names no file: name where they go (a full disk's place)
+                e.filename = e.filename or str(tmp)
+                raise
             f = tmp / MANIFEST
             f.write_text(json.dumps(manifest, indent=1))
             with open(f) as fh:

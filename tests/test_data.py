@@ -1621,3 +1621,35 @@ def test_a_tokenizer_worker_that_dies_ends_the_prepare_in_one_line(tmp_path):
     assert out.get("error", "").startswith("a tokenizer worker process died ("), out
     assert "\n" not in out["error"], out
     assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
+def test_a_refused_write_during_prepare_names_its_place(tmp_path):
+    """Bug caught (fault walkthrough, a full disk): a prepare whose shard write failed said only
+    "error: OSError: [Errno 27] File too large" (or "no space left on device", naming no place): the
+    file object's write names no file. Now the prepared data's directory is named, and a worker's
+    batch file in $TMPDIR (another filesystem, often) names that file. A real refused write:
+    RLIMIT_FSIZE (EFBIG past 64 KB), in-process."""
+    import resource
+
+    from mode.errors import one_line
+
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.txt").write_text("\n\n".join(f"paragraph {i} " * 40 for i in range(600)))  # ~290 KB of tokens
+    cfg = dcfg(tmp_path, source=str(d), sample_by="paragraph")
+    tok = prep.build_tokenizer(cfg)
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+        with pytest.raises(OSError) as shard:
+            prep.prepare(cfg, progress=False)
+        prep._init_worker(tok.spec())
+        with pytest.raises(OSError) as batch:
+            prep._encode_to_file([(d / "a.txt").read_text()], str(tmp_path / "0.npz"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    line, code = one_line(shard.value)
+    assert code == 1 and str(prep.prepared_path(cfg)) + ".tmp" in line, line
+    line, code = one_line(batch.value)
+    assert code == 1 and str(tmp_path / "0.npz") in line, line
