@@ -106,11 +106,14 @@ def format_table(c: dict) -> str:
     kinds: dict[tuple, list] = {}
     for b in c["blocks"]:
         kinds.setdefault((b["kind"], b["params"], b["flops_per_token"]), []).append(b)
-    lines = [f"{'block kind':<22}{'layers':<14}{'params/block':>14}{'GFLOPs/token/block':>20}"]
-    for (k, params, flops), bs in kinds.items():
-        layers = ",".join(str(b["layer"]) for b in bs)
-        lines.append(f"{k:<22}{layers:<14}{params:>14,}{flops / 1e9:>20.6f}")
-    lines.append(f"{'head':<22}{'':<14}{'':>14}{c['head_flops_per_token'] / 1e9:>20.6f}")
+    rows = [(k, ",".join(str(b["layer"]) for b in bs), params, flops) for (k, params, flops), bs in kinds.items()]
+    # columns as wide as their longest entry (+2): a kind such as mod_split(integrated)+kv_all ran into the layers
+    wk = max([len("block kind"), *(len(r[0]) for r in rows)]) + 2
+    wl = max([len("layers"), *(len(r[1]) for r in rows)]) + 2
+    lines = [f"{'block kind':<{wk}}{'layers':<{wl}}{'params/block':>14}{'GFLOPs/token/block':>20}"]
+    for k, layers, params, flops in rows:
+        lines.append(f"{k:<{wk}}{layers:<{wl}}{params:>14,}{flops / 1e9:>20.6f}")
+    lines.append(f"{'head':<{wk}}{'':<{wl}}{'':>14}{c['head_flops_per_token'] / 1e9:>20.6f}")
     lines.append(f"model: {c['params']:,} params, {c['forward_flops_per_token'] / 1e9:.6f} GFLOPs forward per token "
                  f"(seq_len {c['seq_len']})")
     return "\n".join(lines)

@@ -112,6 +112,19 @@ def test_table_shows_each_layer_of_a_capacity_schedule():
         assert f"{b['flops_per_token'] / 1e9:.6f}" in rows[str(b["layer"])]
 
 
+def test_table_keeps_a_long_block_kind_apart_from_its_layers():
+    """Bug caught (variants walkthrough): kinds reach 28 characters (mod_split(integrated)+kv_all) in a
+    22-wide column, so the table read `mod_split(dense)+kv_all1`: a kind glued to its layer."""
+    from mode.flops import format_table
+
+    cfg = load_config(ROOT / "configs/tiny/mode_integrated.yaml", [
+        "model.mod.layers=every_other", "model.mod.decoupled=true", "model.mod.kv=all",
+        "model.mod.attn_capacity=0.4", "model.mod.mlp_capacity=[0.25, 0.5]"])
+    c = count(cfg)
+    rows = [line.split() for line in format_table(c).splitlines()[1:] if line.startswith("mod_split")]
+    assert [r[:2] for r in rows] == [["mod_split(integrated)+kv_all", "1"], ["mod_split(integrated)+kv_all", "3"]]
+
+
 @pytest.mark.parametrize("knob", [[], ["--knob", "model.mod.capacity"]])  # the default knob, as README shows it
 def test_match_solves_the_mod_capacity(knob, capsys):
     """`mode flops --config mod.yaml --match dense.yaml` solves model.mod.capacity (a float or a
