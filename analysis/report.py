@@ -406,9 +406,8 @@ def processed_frac_from_logs(run: RunLog) -> np.ndarray | None:
     seq_len = data.get("seq_len", DataConfig.seq_len)
     frac = np.array([lp.mlp_frac(seq_len) for lp in plan])
     for lp in plan:
-        engaged, noop = (run.last(f"moe/layer{lp.index}/{t}") for t in ("engaged_frac", "noop_frac"))
-        if lp.mlp == "moe" and (engaged is not None or noop is not None):
-            frac[lp.index] *= engaged if engaged is not None else 1.0 - noop
+        if lp.mlp == "moe":
+            frac[lp.index] *= _moe_engaged(run, lp.index)
     return frac
 
 
@@ -448,13 +447,15 @@ SOURCE_TEXT = {
 
 
 def split_decoupled(runs: list[RunLog], processed: dict[str, dict[int, float]], causal: dict[str, dict[int, float]],
-                    colors: dict[str, str]) -> None:
+                    colors: dict[str, str]) -> set[str]:
     """In place: a variant with decoupled routers (`mod_attn/`, `mod_mlp/` tags) becomes two rows,
     `<variant> (attn)` and `<variant> (mlp)`, each with its own router's processed fraction (top-k
     and causal, from the logs). Its single row would show the tokens that got both sublayers (the
-    block contract's "engaged"), about the product of the two capacities, which reads as a bug."""
+    block contract's "engaged"), about the product of the two capacities, which reads as a bug. In
+    an MoE layer the MLP row is the router's fraction × `engaged_frac` (neither dropped nor sent
+    only to no-ops), as processed_frac_from_logs has it. Returns the variants split."""
     for sub in ("attn", "mlp"):
-        topk = per_layer_metric(runs, f"mod_{sub}", "processed_frac")
+        topk = per_layer_metric(runs, f"mod_{sub}", "processed_frac", _moe_engaged if sub == "mlp" else None)
         cz = per_layer_metric(runs, f"mod_{sub}", "causal_processed_frac")
         for variant, frac in topk.items():
             name = f"{variant} ({sub})"
@@ -462,20 +463,32 @@ def split_decoupled(runs: list[RunLog], processed: dict[str, dict[int, float]], 
             processed[name] = {i: frac.get(i, 1.0) for i in layers}
             causal[name] = cz.get(variant, {})
             colors[name] = colors.get(variant, "C0") if sub == "attn" else "C9"
-    for variant in {v.rsplit(" (", 1)[0] for v in processed if v.endswith((" (attn)", " (mlp)"))}:
+    split = {v.rsplit(" (", 1)[0] for v in processed if v.endswith((" (attn)", " (mlp)"))}
+    for variant in split:
         processed.pop(variant, None)
         causal.pop(variant, None)
+    return split
 
 
-def per_layer_metric(runs: list[RunLog], prefix: str, name: str) -> dict[str, dict[int, float]]:
-    """{variant: {layer: last value of <prefix>/layerN/<name>, mean over seeds}} where logged."""
+def _moe_engaged(run: RunLog, layer: int) -> float:
+    """Fraction of the tokens an MoE layer's experts see that a real expert processed (1: not an MoE
+    layer, or logged before these tags); runs logged before `engaged_frac`: 1 − no-op share."""
+    engaged, noop = (run.last(f"moe/layer{layer}/{t}") for t in ("engaged_frac", "noop_frac"))
+    if engaged is not None:
+        return engaged
+    return 1.0 - noop if noop is not None else 1.0
+
+
+def per_layer_metric(runs: list[RunLog], prefix: str, name: str, scale=None) -> dict[str, dict[int, float]]:
+    """{variant: {layer: last value of <prefix>/layerN/<name>, mean over seeds}} where logged;
+    `scale(run, layer)`: a factor for each seed's value before the mean."""
     out = {}
     for variant, vruns in group_by_variant(runs).items():
         acc: dict[int, list[float]] = {}
         for r in vruns:
             for i, names in r.layer_tags(prefix).items():
                 if name in names:
-                    acc.setdefault(i, []).append(r.last(f"{prefix}/layer{i}/{name}"))
+                    acc.setdefault(i, []).append(r.last(f"{prefix}/layer{i}/{name}") * (scale(r, i) if scale else 1.0))
         if acc:
             out[variant] = {i: float(np.mean(v)) for i, v in sorted(acc.items())}
     return out
@@ -707,20 +720,23 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     processed = per_layer_processed(runs)
     processed_data = {v: dict(enumerate(f.tolist())) for v, (f, _) in processed.items()}
     causal = per_layer_metric(runs, "mod", "causal_processed_frac")
-    split_decoupled(runs, processed_data, causal, colors)
+    split = split_decoupled(runs, processed_data, causal, colors)
     dropped_tok = per_layer_metric(runs, "moe", "dropped_tokens_frac")
     dropped_rt = per_layer_metric(runs, "moe", "dropped_routes_frac")
     noop = per_layer_metric(runs, "moe", "noop_frac")
     imbalance = load_imbalance(runs)
+    for metric in (dropped_tok, dropped_rt, noop, imbalance):  # the experts are the MLP's: on its row
+        for v in split & set(metric):
+            metric[f"{v} (mlp)"] = metric.pop(v)
     pct = lambda x: f"{x:.1%}"  # noqa: E731
     lines += ["## Per-layer routing", ""]
     if processed:
         last_log = _last_log_steps(runs)
-        split = sorted({v.rsplit(" (", 1)[0] for v in processed_data if v not in processed})
+        split = sorted(split)
         lines += ["Fraction of tokens each block processes: "
                   + ", ".join(f"`{v}` from {SOURCE_TEXT[src]}" for v, (_, src) in processed.items() if v not in split)
                   + "".join(f"; `{v}` (decoupled routing) one row per router, attention and MLP, from the training "
-                            "logs" for v in split) + ". "
+                            "logs (the MLP's × `engaged_frac` in MoE layers)" for v in split) + ". "
                   "Causal-routing fractions, load, dropped and no-op fractions are the last training log "
                   + (f"(step {last_log}, training batches), not the eval batch." if last_log
                      else "(none yet: no run has trained to its first train.log_every step), not the eval batch."),

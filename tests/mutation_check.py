@@ -223,7 +223,10 @@ MUTANTS = [
      "    if out.exists() and not written_by_mode_eval(out):", "    if explicit and out.exists() and not written_by_mode_eval(out):",
      ["tests/test_harness.py"]),
     ("the processed fraction from the logs ignores drops", "analysis/report.py",
-     "frac[lp.index] *= engaged if engaged is not None else 1.0 - noop", "frac[lp.index] *= 1.0 - (noop or 0.0)",
+     "        return engaged\n", "        return 1.0 - (noop or 0.0)\n",
+     ["tests/test_analysis.py"]),
+    ("decoupled routing's MLP row ignores what its experts dropped", "analysis/report.py",
+     '"processed_frac", _moe_engaged if sub == "mlp" else None)', '"processed_frac", None)',
      ["tests/test_analysis.py"]),
     ("threshold metrics scored after the EMA stepped on the batch", "mode/mod.py",
      "            self.aux_loss, self.metrics = self.router.losses(x_BSD, r_BS, member_BS)\n"

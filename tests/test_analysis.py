@@ -650,6 +650,32 @@ def test_decoupled_routing_is_shown_per_router():
     assert {"dec (attn)", "dec (mlp)"} <= set(colors)
 
 
+def test_decoupled_routing_around_experts_shows_what_the_experts_processed_on_the_mlp_row(tmp_path):
+    """Bug caught (variants walkthrough): decoupled routing around an MoE MLP (integrated MoDE) showed
+    the MLP router's capacity alone as processed (50% where 39% of its tokens were dropped), and its
+    dropped / no-op / load columns under a third row, the unsplit variant, with processed "—"."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "runs"
+    d = root / "dec_seed0"
+    _write_run(d, "dec", 0, 2.0, model__moe__layers="[1]", model__mod__layers="[1]", model__mod__decoupled="true")
+    w = SummaryWriter(str(d / "tb"))
+    for tag, v in {"mod_attn/layer1/processed_frac": 0.5, "mod_mlp/layer1/processed_frac": 0.5,
+                   "moe/layer1/engaged_frac": 0.6, "moe/layer1/dropped_tokens_frac": 0.25,
+                   "moe/layer1/noop_frac": 0.2, "moe/layer1/load_max": 3.0, "moe/layer1/load_mean": 2.0}.items():
+        w.add_scalar(tag, v, 10)
+    w.close()
+    report.analyze(root, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    section = text.split("## Per-layer routing")[1].split("\n## ")[0]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
+            for line in section.splitlines() if line.startswith("| `")}
+    assert {v for v, _ in rows} == {"`dec (attn)`", "`dec (mlp)`"}, rows
+    assert rows["`dec (attn)`", "1"][0] == "50.0%" and rows["`dec (attn)`", "0"][0] == "100.0%"
+    mlp = rows["`dec (mlp)`", "1"]
+    assert mlp[0] == "30.0%" and "25.0%" in mlp and "20.0%" in mlp and "1.50" in mlp, mlp
+
+
 def test_last_step_is_the_training_step_not_tokens_or_mflops(tmp_path):
     """The Runs table's last step comes from the step-indexed tags: the trainer also logs
     `*/loss_vs_tokens` and `*/loss_vs_mflops`, whose TensorBoard step is tokens or MFLOPs."""
