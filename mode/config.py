@@ -31,7 +31,7 @@ class ConfigError(ValueError):
     """A bad config value; the message is the whole user-facing line."""
 
     def __init__(self, key: str, value: Any = None, allowed: str = "", msg: str | None = None):
-        self.key = key
+        self.key, self.allowed = key, allowed
         text = msg if msg is not None else f"{key}={value!r}: {allowed}"
         super().__init__(f"config error: {text}")
 
@@ -669,13 +669,18 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        shaped = None  # the refusal of the alternative the value has the shape of: its reason is the one
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(value, a, key)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                if isinstance(value, list) == (typing.get_origin(a) in (list, List)):
+                    shaped = shaped or e
+        # e.g. `.nan` for a float-or-list field: "a finite number", not "a value of type float or list"
+        if shaped is not None and shaped.allowed and not shaped.allowed.startswith("a value of type"):
+            raise ConfigError(key, value, shaped.allowed)
         raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
     if origin in (list, List):
         (item,) = typing.get_args(tp)

@@ -60,10 +60,14 @@ class LayerPlan:
     def mlp_frac(self, seq_len: int) -> float:
         """Fraction of a sequence's tokens the layer's MLP sees under top-k routing: k/S, the
         capacity as rounded to whole tokens (0.125 of 100 tokens is 12 of them: capacity_k)."""
-        from mode.routing.depth import capacity_k
-
         r = self.block or self.mlp_route
         return 1.0 if r is None else capacity_k(r.capacity, seq_len) / seq_len
+
+
+def capacity_k(capacity: float, seq_len: int) -> int:
+    """k, the tokens of a sequence a depth router sends through: capacity x S rounded to whole
+    tokens, at least 1 (plain Python: analysis reads it without torch)."""
+    return max(1, min(seq_len, round(capacity * seq_len)))
 
 
 def _per_layer(value, j: int) -> float:

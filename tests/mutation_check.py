@@ -29,7 +29,7 @@ MUTANTS = [
     # Depth routing (Mixture-of-Depths)
     ("top-k indices not sorted by position", "mode/routing/depth.py",
      "stable=True).indices[:, :k]\n", "stable=True).indices[:, :k].flip(1)\n", MOD),
-    ("k = ceil(capacity * S), not round", "mode/routing/depth.py",
+    ("k = ceil(capacity * S), not round", "mode/plan.py",
      "round(capacity * seq_len)", "int(capacity * seq_len + 0.999)", MOD),
     ("gathered tokens get positions 0..K-1", "mode/mod.py",
      "inner_ctx = Ctx(ctx.pos_BS.gather(1, idx_BK), valid_BK",

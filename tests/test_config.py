@@ -68,6 +68,16 @@ def test_bad_values_name_key_value_and_allowed(override, needle):
     assert msg.startswith("config error:") and needle in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("value", [".nan", "[0.5, .inf]"])
+def test_a_non_finite_capacity_is_refused_as_not_finite(value):
+    """Bug caught (variants walkthrough): `model.mod.capacity=.nan` (a float-or-list field) was refused
+    as "a value of type float or list of float", which it is; every other float field says why."""
+    with pytest.raises(ConfigError, match=r"^config error: model.mod.capacity=(nan|\[0.5, inf\]): a finite number$"):
+        load_config(ROOT / "configs/tiny/mod.yaml", [f"model.mod.capacity={value}"])
+    with pytest.raises(ConfigError, match=r": a value of type float or list of float$"):
+        load_config(ROOT / "configs/tiny/mod.yaml", ["model.mod.capacity=[[0.5]]"])
+
+
 def test_integers_too_large_for_a_float_or_for_python_are_config_errors(tmp_path):
     """Bug caught: `optim.lr=<10**400>` stopped with `error: OverflowError: int too large to convert
     to float`, and an integer of over 4,300 digits (on the command line or in the YAML file) with

@@ -227,3 +227,19 @@ def test_a_plan_routing_one_sublayer_alone_is_named_and_summarised(monkeypatch):
     monkeypatch.setattr(console, "layer_plan", lambda model_cfg: plan)
     cfg = load_config(ROOT / "configs/tiny/dense.yaml", [])
     assert "MoD capacity by layer {1: mlp 0.5, 2: attn 0.25 K/V from all}" in console.routing_summary(cfg)
+
+
+def test_the_layer_plan_imports_no_torch():
+    """Bug caught (variants walkthrough): plan.py says "No torch here", but LayerPlan.mlp_frac imported
+    mode.routing.depth (torch) for capacity_k, so the analysis's processed fractions loaded torch.
+    Every import in plan.py and mode/config.py, function-level ones included, is of the standard
+    library or of mode.config."""
+    import ast
+    import sys
+
+    for f in ("mode/plan.py", "mode/config.py"):
+        tree = ast.parse((ROOT / f).read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+        foreign = {m for m in names if m.split(".")[0] not in sys.stdlib_module_names and m != "mode.config"}
+        assert foreign <= {"yaml"}, (f, foreign)

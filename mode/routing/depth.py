@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModConfig
+from mode.plan import capacity_k  # noqa: F401 - routing's k, re-exported beside topk_sorted
 from mode.routed import Cost
 
 
@@ -34,10 +35,6 @@ def recomputing():
         yield
     finally:
         _recomputing = prev
-
-
-def capacity_k(capacity: float, seq_len: int) -> int:
-    return max(1, min(seq_len, round(capacity * seq_len)))
 
 
 def topk_sorted(scores_BS: torch.Tensor, k: int) -> torch.Tensor:
