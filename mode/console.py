@@ -42,7 +42,8 @@ def routing_summary(cfg: Config) -> str:
     moe = [p.index for p in plan if p.mlp == "moe"]
     parts = []
     if depth:
-        parts.append(f"MoD capacity by layer {{{', '.join(depth)}}} ({m.mod.causal} causal)")
+        routing = "stochastic top-k: the random control; " if m.mod.routing == "stochastic" else ""
+        parts.append(f"MoD capacity by layer {{{', '.join(depth)}}} ({routing}{m.mod.causal} causal)")
     if moe:
         parts.append(f"MoE layers {moe}: {m.moe.num_experts} experts"
                      + (f" + {m.moe.num_noop_experts} no-op" if m.moe.num_noop_experts else "")

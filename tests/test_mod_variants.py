@@ -290,6 +290,9 @@ def test_a_capacity_list_with_layers_out_of_order_is_refused():
     (["model.mod.decoupled=true", "model.mod.attn_capacity=0.4", "model.mod.mlp_capacity=[0.25,0.5,0.25]"],
      "{1: attn 0.4 / mlp 0.25, 3: attn 0.4 / mlp 0.5, 5: attn 0.4 / mlp 0.25}"),
     (["model.mod.kv=all", "model.mod.capacity=0.215"], "1: block 0.215 K/V from all,"),
+    # the paper's random control said only "(threshold causal)", as a learned router would
+    (["model.mod.routing=stochastic", "model.mod.causal=threshold"], "} (stochastic top-k: the random control; "
+                                                                      "threshold causal)"),
 ])
 def test_start_block_shows_each_routed_layers_capacities(overrides, expect):
     """The console's start block reads the layer plan: per-layer and per-sublayer capacities and
