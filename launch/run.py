@@ -140,19 +140,22 @@ def validate(config: str, overrides: list[str], world: int, node_rank: int | Non
     return cfg
 
 
-def pass_env(extra: list[str], ranks_per_node: int = 1) -> dict[str, str]:
-    """Variables every rank on every node gets."""
+def pass_env(extra: list[str], ranks_per_node: int = 1, user: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables every rank on every node gets; `user`: the user's env files' (user_env), whose
+    values our defaults do not override."""
+    user = user or {}
     env = {k: v for k, v in os.environ.items() if k.startswith(PASS_PREFIXES) and "\n" not in v and v == v.strip()}
     pp = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(pp)
     try:
         import torch
 
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and "DS_ACCELERATOR" not in user:
             env.setdefault("DS_ACCELERATOR", "cpu")
     except Exception:  # noqa: BLE001
         pass
-    if env.get("DS_ACCELERATOR") == "cpu":  # else every rank starts one OpenMP thread per core
+    if env.get("DS_ACCELERATOR", user.get("DS_ACCELERATOR")) == "cpu" and "OMP_NUM_THREADS" not in user:  # else
+        # every rank starts one OpenMP thread per core; a value in the user's .deepspeed_env is theirs
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))))
     for kv in extra:
         k, _, v = kv.partition("=")
@@ -180,13 +183,31 @@ def pdsh_arg(a: str) -> str:
     return a.replace("%", "%%")
 
 
+def user_env() -> dict[str, str]:
+    """KEY=VALUE lines of the user's ~/.deepspeed_env and ./.deepspeed_env (DeepSpeed's own env files,
+    which our launch replaces by one of its own: their lines go into it), as written. Blank and `#`
+    lines are skipped: passed on, `export # X=1; export ...; cd ...; python ...` made the remote
+    command a comment (a launch that ran nothing, exit 0). Any other line must be KEY=VALUE."""
+    out = {}
+    for f in (Path.home() / ".deepspeed_env", Path(".deepspeed_env")):
+        if not f.is_file():
+            continue
+        for ln in f.read_text().splitlines():
+            if not ln.strip() or ln.lstrip().startswith("#"):
+                continue
+            k, eq, v = ln.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise _err(str(f.absolute()), ln, "KEY=VALUE lines (KEY a shell variable name), blank lines or "
+                           "# comments (DeepSpeed exports each line on every node)")
+            out[k] = v
+    return out
+
+
 def write_deepspeed_env(path: Path, env: dict[str, str], shell: bool = False) -> Path:
     """DeepSpeed exports each KEY=VALUE line of its env file on every node it starts (multi-node);
-    `shell`: values pass through the remote shell (pdsh), so quote them for it."""
-    lines = []
-    for f in (Path.home() / ".deepspeed_env", Path(".deepspeed_env")):  # keep the user's own file working
-        if f.is_file():
-            lines += [ln for ln in f.read_text().splitlines() if "=" in ln]
+    `shell`: values pass through the remote shell (pdsh), so quote them for it. The user's own
+    files' lines come first (as they wrote them): a key in `env` (their shell's, --env) wins."""
+    lines = [f"{k}={v}" for k, v in user_env().items()]
     lines += [f"{k}={shell_value(v) if shell else v}" for k, v in env.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -432,7 +453,14 @@ def main(argv=None) -> int:
             raise _err("--node_rank", a.node_rank, f"this node's rank, 0 <= R < {n_nodes} (the number of nodes)")
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         pdsh = multinode and backend in (None, "pdsh")  # over ssh, through pdsh and the remote shell
-        env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)))
+        if pdsh:  # DeepSpeed's pdsh runner sends `cd <cwd>; <python> ...` unquoted: with a space, the
+            # remote `cd` failed and the ranks trained in $HOME, exit 0
+            for what, path in (("the working directory", os.getcwd()), ("the python", sys.executable)):
+                if not re.fullmatch(r"[\w@+=:,./-]+", path):
+                    raise _err(what, path, "a path without spaces or shell-special characters for a pdsh launch "
+                               "(DeepSpeed passes it unquoted to every node's shell): launch from another directory")
+        # the user's env files count only where DeepSpeed would read them: a multi-node launch
+        env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)), user_env() if multinode else {})
         ssh = pdsh and not a.dry_run and not a.validate_only
         # after the cheap checks; with ssh, the hosts are asked before data is prepared (hours for a large corpus)
         cfg = validate(a.config, a.overrides, world, a.node_rank, prepare_data=not a.dry_run and not ssh)

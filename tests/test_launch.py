@@ -382,6 +382,50 @@ def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypa
         lr.pass_env(["NOVALUE"])
 
 
+def test_the_users_deepspeed_env_comments_are_dropped_and_its_values_kept(tmp_path, monkeypatch):
+    """Bugs caught (cluster walkthrough): a `# NCCL_DEBUG=INFO` line in ./.deepspeed_env was passed on,
+    so pdsh's remote command read `export # NCCL_DEBUG=INFO; export ...; cd ...; python ...`: a
+    comment; the launch ran nothing and exited 0. And the file's OMP_NUM_THREADS=1 lost to our
+    default (cores / ranks), where DeepSpeed itself would have used the file's."""
+    import launch.run as lr
+    from mode.config import ConfigError
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("# NCCL_DEBUG=INFO\n\n  # indented too\nOMP_NUM_THREADS=1\nUSER_VAR=a=b\n")
+    user = lr.user_env()
+    assert user == {"OMP_NUM_THREADS": "1", "USER_VAR": "a=b"}
+    env = lr.pass_env([], ranks_per_node=1, user=user)
+    assert "OMP_NUM_THREADS" not in env  # the file's value is the one
+    lines = lr.write_deepspeed_env(tmp_path / "run" / "deepspeed_env", env, shell=True).read_text().splitlines()
+    assert not [ln for ln in lines if "#" in ln or not ln.strip()], lines
+    parsed = dict(line.split("=", 1) for line in lines)  # DeepSpeed's parsing (a later line wins)
+    assert parsed["OMP_NUM_THREADS"] == "1" and parsed["USER_VAR"] == "a=b"
+    assert lr.pass_env([], ranks_per_node=1)["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() or 1))  # no file: ours
+    (tmp_path / ".deepspeed_env").write_text("export NCCL_DEBUG=INFO\n")
+    with pytest.raises(ConfigError, match=r"\.deepspeed_env='export NCCL_DEBUG=INFO': KEY=VALUE lines"):
+        lr.user_env()
+
+
+def test_a_pdsh_launch_from_a_directory_with_a_space_is_refused(tmp_path, monkeypatch, capsys):
+    """Bug caught (cluster walkthrough): DeepSpeed's pdsh runner sends `cd <cwd>; <python> ...`
+    unquoted, so from `/tmp/a b` every node said `cd: too many arguments`, trained in $HOME, and
+    the launch exited 0. Refused in one line before anything starts; one node is not pdsh."""
+    import launch.run as lr
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("mode-node0 slots=1\nmode-node1 slots=1\n")
+    (tmp_path / "a b").mkdir()
+    monkeypatch.chdir(tmp_path / "a b")
+    assert lr.main(["--hostfile", str(hostfile), "--dry-run", "--config", str(ROOT / "configs/tiny/dense.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"config error: the working directory={str(tmp_path / 'a b')!r}: a path without spaces or "
+                   "shell-special characters for a pdsh launch (DeepSpeed passes it unquoted to every node's shell): "
+                   "launch from another directory"), err
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulated multi-node runs of an expert-parallel model.
 
