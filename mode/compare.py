@@ -987,6 +987,13 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
                 log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; {resume_hint(r, rc)}")
                 return rc if 0 < rc < 256 else 1
             r.status, r.resume_step = status(r)
+            stop = r.cfg.train.stop_at
+            if r.status != "done" and not (r.status == "resume" and stop > 0 and r.resume_step >= stop):
+                # exit 0 with nothing to show for it (e.g. a launcher whose remote command ran nothing)
+                where = f"stopped at step {r.resume_step}" if r.status == "resume" else "no checkpoint"
+                log(f"[{i}/{n}] {r.name}: exited 0 without finishing the run ({where}) after {dt:.0f}s; "
+                    f"its output is above; {resume_hint(r)}")
+                return 1
             state = "done" if r.status == "done" else f"stopped at step {r.resume_step} (train.stop_at)"
             log(f"[{i}/{n}] {r.name}: {state} in {dt:.0f}s")
         stopped = [r.name for r in runs if r.status != "done"]

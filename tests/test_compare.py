@@ -605,6 +605,20 @@ def test_slurm_job_that_completed_at_stop_at_stopped_as_asked(tmp_path, monkeypa
         assert active == {} and (failed == []) == stopped, failed
 
 
+@pytest.mark.slow  # prepares the grid's data
+def test_a_local_run_that_exited_0_without_training_is_a_failure(tmp_path, monkeypatch, capsys):
+    """Bug caught (cluster walkthrough): a launcher that exited 0 having trained nothing (a `#` line in
+    .deepspeed_env made pdsh's remote command a comment) was reported "stopped at step 0
+    (train.stop_at)" with train.stop_at unset, then the report failed on "no run directories"."""
+    from mode import compare
+
+    exp = experiment(tmp_path)
+    monkeypatch.setattr(compare, "run_one", lambda exp, run, env: 0)  # the launch that ran nothing
+    assert compare.main([str(exp), "--only", "dense"]) == 1
+    err = capsys.readouterr().err
+    assert "dense_seed0: exited 0 without finishing the run (no checkpoint)" in err and "train.stop_at" not in err, err
+
+
 def test_slurm_job_that_finished_its_run_after_validation_is_not_a_failure(tmp_path, monkeypatch):
     """validate() reads each run's state while its job still runs (minutes for a big grid's data
     checks); a job that finished the run before run_slurm asked SLURM was reported `COMPLETED without
