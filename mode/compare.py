@@ -679,6 +679,21 @@ def slurm_script(exp: Experiment, run: GridRun, env: dict) -> str:
             f"printf '%s\\n' \"${{job%%;*}}\" > {job_file}\nprintf '%s\\n' \"$job\"\n")
 
 
+def slurm_queued_job(exp: Experiment, run: GridRun) -> str | None:
+    """A job SLURM holds for this run though no job id was recorded: an sbatch that timed out
+    ("Socket timed out", a busy controller) may have queued it all the same. Found by its name and
+    told apart from another grid's same-named job by its log path (inside this grid's runs_dir)."""
+    if shutil.which("squeue") is None:
+        return None
+    r = subprocess.run(["squeue", "-h", "--me", "-n", f"{exp.name}-{run.name}", "-o", "%i"], capture_output=True,
+                       text=True)
+    for job in r.stdout.split() if r.returncode == 0 else []:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        if f"StdOut={_slurm_log(exp, run, job)}" in out.split():
+            return job
+    return None
+
+
 def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
     return exp.runs_dir.resolve() / "slurm" / f"{run.name}-{job}.out"
 
@@ -714,6 +729,10 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
         script.chmod(0o755)
         job_file = out / f"{r.name}.jobid"  # written by the script (also when the user runs it)
         job = job_file.read_text().strip() if job_file.is_file() else ""
+        if not job and exp.options.get("submit") and (job := slurm_queued_job(exp, r) or ""):
+            job_file.write_text(job + "\n")
+            log(f"{tag}: found job {job} queued for it without a recorded id (an earlier sbatch that timed out); "
+                "adopted, not submitted again")
         if job:
             state = slurm_job_state(job)
             if state in SLURM_HELD:
@@ -739,8 +758,14 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
             continue
         res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
         if res.returncode != 0 or not res.stdout.strip():
-            raise RuntimeError(f"{r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}")
-        job = res.stdout.strip().splitlines()[-1].split(";")[0]
+            job = slurm_queued_job(exp, r)  # a timeout after the controller queued it: the job exists
+            if job is None:
+                raise RuntimeError(f"{r.name}: sbatch failed ({res.returncode}): {res.stderr.strip()}; if SLURM "
+                                   f"queued it all the same (a timeout), the next `mode compare` finds it by its "
+                                   f"name {exp.name}-{r.name} and does not submit it again")
+            log(f"{tag}: sbatch said it failed ({res.stderr.strip()[:200]}), yet SLURM holds job {job} for it: adopted")
+        else:
+            job = res.stdout.strip().splitlines()[-1].split(";")[0]
         job_file.write_text(job + "\n")  # the script wrote it too: this process reads what sbatch said
         active[r.name] = job
         log(f"{tag}: submitted job {job} ({describe(r)}); log: {_slurm_log(exp, r, job)}")
