@@ -287,6 +287,68 @@ def test_the_moved_job_log_keeps_slurms_own_lines_across_a_requeue(tmp_path, clu
 
 
 @pytest.mark.slow
+def test_sbatch_gpus_per_task_gives_each_nodes_launcher_all_of_its_gpus(tmp_path, cluster):
+    """Bug caught: `sbatch --ntasks-per-node=2 --gpus-per-task=1` allocates two GPUs on the node and the
+    template starts two ranks there, but srun read the SLURM_GPUS_PER_TASK sbatch exports as its own
+    option: its one task per node, the node's launcher (and so both ranks), got one GPU
+    (CUDA_VISIBLE_DEVICES=0; on a node whose devices SLURM constrains, rank 1's GPU did not exist). The local cluster's
+    fake GPUs (local_cluster.sh, MODE_CLUSTER_GPUS) are allocated like real ones; the launcher is a
+    stand-in that records what SLURM gave its task (no training: the ranks take their devices from it)."""
+    node = subprocess.run(["scontrol", "show", "node", "-o"], env=cluster_env(cluster), capture_output=True,
+                          text=True).stdout
+    if not re.search(r"\bGres=gpu:([2-9]|\d\d)", node):
+        pytest.skip(f"the local cluster declares fewer than 2 GPUs ({node.strip()}): restart it (local_cluster.sh "
+                    "down, then up) with MODE_CLUSTER_GPUS=2, the default")
+    submit_dir, run, seen = tmp_path / "submit", tmp_path / "run", tmp_path / "seen"
+    submit_dir.mkdir()
+    py = tmp_path / "py"  # the interpreter: validation runs for real; each node's launcher records its step's GPUs
+    py.write_text(f'#!/usr/bin/env bash\nfor a in "$@"; do [[ $a == --validate-only ]] && exec {PY} "$@"; done\n'
+                  'while [[ $# -gt 0 && $1 != --num_gpus ]]; do shift; done\n'
+                  f'echo "node=$SLURM_NODEID ranks=$2 CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES-unset}} '
+                  f'SLURM_STEP_GPUS=${{SLURM_STEP_GPUS-}}" >> {seen}\n')
+    py.chmod(0o755)
+    job = subprocess.run(["sbatch", "--parsable", "--ntasks-per-node=2", "--gpus-per-task=1",
+                          str(ROOT / "launch" / "slurm.sbatch"), "--config", str(ROOT / "configs/tiny/dense.yaml"),
+                          *RUN, f"data.prepared_dir={tmp_path / 'prepared'}", f"run.dir={run}"],
+                         cwd=submit_dir, env={**cluster_env(cluster), "PYTHON": str(py)}, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    state = wait_job(cluster, job, 300)
+    log = run / "slurm" / f"job-{job}.out"
+    text = log.read_text() if log.exists() else str(list(submit_dir.iterdir()))
+    assert state == "COMPLETED" and f"mode: job {job}: 1 nodes x 2 ranks (GPUs allocated per node)" in text, text
+    assert seen.read_text().splitlines() == ["node=0 ranks=2 CUDA_VISIBLE_DEVICES=0,1 SLURM_STEP_GPUS=0,1"], \
+        (seen.read_text(), text)
+
+
+@pytest.mark.slow
+def test_sbatch_chdir_runs_the_job_in_that_directory(tmp_path, cluster):
+    """Bug caught: the template began with `cd "$SLURM_SUBMIT_DIR"`, undoing `sbatch --chdir=<dir>` (the
+    batch script starts in the job's working directory): submitted from elsewhere, a relative --config
+    was `config error: ... an existing YAML file`, and SLURM's log in <dir> was looked for in the submit
+    directory, never moved. Now the config, run.dir and data.prepared_dir are relative to <dir>, and
+    the log ends up in run.dir."""
+    submit_dir, work = tmp_path / "submit", tmp_path / "work"
+    submit_dir.mkdir()
+    (work / "configs" / "tiny").mkdir(parents=True)
+    shutil.copy(ROOT / "configs/tiny/dense.yaml", work / "configs/tiny/dense.yaml")
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={work}", "--ntasks-per-node=1",
+                          str(ROOT / "launch" / "slurm.sbatch"), "--config", "configs/tiny/dense.yaml", *RUN,
+                          "train.max_steps=2", "checkpoint.every=2", "data.prepared_dir=prepared", "run.dir=run"],
+                         cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
+                         check=True).stdout.strip()
+    state = wait_job(cluster, job, 300)
+    run = work / "run"
+    log = run / "slurm" / f"job-{job}.out"
+    left = sorted(p.name for p in work.glob("slurm-*.out"))
+    assert state == "COMPLETED", (state, log.read_text() if log.exists() else
+                                  [(work / n).read_text() for n in left] or list(submit_dir.iterdir()))
+    assert left == [] and list(submit_dir.iterdir()) == []  # SLURM's log moved to run.dir
+    assert f"mode: job {job}: 1 nodes x 1 ranks (--ntasks-per-node)" in log.read_text() and f"run.dir {run}" in \
+        log.read_text(), log.read_text()
+    assert (run / "DONE").exists() and (work / "prepared").is_dir() and list(scalars(run, "train/loss")) == [1, 2]
+
+
+@pytest.mark.slow
 def test_compare_on_slurm_reports_failed_jobs_then_waits_and_writes_the_report(tmp_path, cluster):
     """num_gpus 0 (a CPU partition). First every job fails (zero ranks forced through sbatch's
     --export): reported by name, state and log, and not resubmitted by the next call; with the

@@ -9,7 +9,8 @@
 #   launch/dev/local_cluster.sh down     # stop exactly the daemons `up` started (by PID), undo its edits
 #
 # Everything lives in $MODE_CLUSTER_DIR (default /tmp/mode-local-cluster): a private munge key and
-# socket, slurm.conf (one node, CPUs=$MODE_CLUSTER_CPUS, partition `cpu`, no accounting), sshd
+# socket, slurm.conf (one node, CPUs=$MODE_CLUSTER_CPUS (2), MODE_CLUSTER_GPUS (2) fake GPUs that only
+# jobs asking for GPUs get, partition `cpu`, no accounting) and gres.conf, sshd
 # listening on 127.0.0.1 and 127.0.0.2 port $MODE_SSH_PORT (2222) for the two "nodes" mode-node0
 # and mode-node1. Outside it, `up` adds two marked lines to /etc/hosts and the ssh client file
 # /etc/ssh/ssh_config.d/mode-local-cluster.conf (key, known_hosts; no port: pass --ssh_port);
@@ -18,6 +19,7 @@ set -euo pipefail
 DIR="${MODE_CLUSTER_DIR:-/tmp/mode-local-cluster}"
 PORT="${MODE_SSH_PORT:-2222}"
 CPUS="${MODE_CLUSTER_CPUS:-2}"
+GPUS="${MODE_CLUSTER_GPUS:-2}"
 CTLD_PORT="${MODE_SLURMCTLD_PORT:-16817}"
 MARK="# mode-local-cluster"
 SSH_CLIENT_CONF=/etc/ssh/ssh_config.d/mode-local-cluster.conf
@@ -46,6 +48,16 @@ up() {
     wait_for 10 test -S "$DIR/munge/munge.socket.2" || die "munged did not start (see $DIR/munge/munged.log)"
   fi
 
+  # $GPUS fake GPUs: SLURM allocates them (and sets CUDA_VISIBLE_DEVICES) as it would real ones; their
+  # "device files" are links to /dev/null (slurmd wants a character device). Only jobs that ask for
+  # GPUs (--gpus-per-node, --gpus-per-task, --gres=gpu:N, ...) get any.
+  [[ $GPUS =~ ^[0-9]+$ ]] || die "MODE_CLUSTER_GPUS=$GPUS: a count >= 0"
+  mkdir -p "$DIR/gpu"
+  : > "$DIR/gres.conf"
+  for ((i = 0; i < GPUS; i++)); do
+    ln -sfn /dev/null "$DIR/gpu/fake$i"
+    echo "Name=gpu File=$DIR/gpu/fake$i" >> "$DIR/gres.conf"
+  done
   cat > "$DIR/slurm.conf" <<EOF
 # written by launch/dev/local_cluster.sh
 ClusterName=modelocal
@@ -77,7 +89,8 @@ SchedulerParameters=sched_interval=2
 KillWait=5
 MinJobAge=600
 Waittime=0
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+GresTypes=gpu
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS $( ((GPUS)) && echo "Gres=gpu:$GPUS") State=UNKNOWN
 PartitionName=cpu Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
   export SLURM_CONF="$DIR/slurm.conf"
@@ -124,7 +137,7 @@ export SLURM_CONF=$DIR/slurm.conf
 export MODE_SSH_PORT=$PORT
 export MODE_SSH_HOSTS="mode-node0 mode-node1"
 EOF
-  echo "local cluster up: SLURM partition cpu ($CPUS CPUs on $NODE), ssh -p $PORT mode-node0|mode-node1; source $DIR/env.sh"
+  echo "local cluster up: SLURM partition cpu ($CPUS CPUs, $GPUS fake GPUs on $NODE), ssh -p $PORT mode-node0|mode-node1; source $DIR/env.sh"
 }
 
 down() {
