@@ -960,6 +960,13 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Path
             # would check the manifest one at a time.
             check_manifest(cfg, out, manifest, tok)
             return out
+    import multiprocessing as mp
+
+    if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own flag: importing __main__
+        # A tokenizer worker (spawned) runs the calling script again; without the guard it prepared
+        # too and waited for the lock its parent holds while the parent waited for it: a hang.
+        raise RuntimeError("a tokenizer worker ran the calling script again and reached its data prepare: put the "
+                           "script's code under `if __name__ == \"__main__\":` (spawned workers import it)")
     check_place(cfg)
     from mode.rundir import parents_made
 

@@ -1653,3 +1653,27 @@ def test_a_refused_write_during_prepare_names_its_place(tmp_path):
     assert code == 1 and str(prep.prepared_path(cfg)) + ".tmp" in line, line
     line, code = one_line(batch.value)
     assert code == 1 and str(tmp_path / "0.npz") in line, line
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_fails_instead_of_hanging(tmp_path):
+    """Bug caught (headline review): a script without `if __name__ == "__main__":` that prepared data
+    with several workers hung for good (0 CPU): each spawned worker ran the script again, reached
+    the prepare, and waited for the lock its parent held while the parent waited for the worker.
+    Now the worker refuses, the pool breaks, and the script fails with the advice, no process left."""
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.txt").write_text("\n\n".join(f"paragraph {i} " * 30 for i in range(3000)))
+    script = tmp_path / "no_guard.py"
+    script.write_text("from mode.config import DataConfig\nfrom mode.prepare import prepare\n"
+                      f"prepare(DataConfig(source={str(d)!r}, sample_by='paragraph', num_workers=2, "
+                      f"prepared_dir={str(tmp_path / 'prepared')!r}), progress=False)\n")
+    proc = subprocess.Popen([PY, str(script)], env=env(1), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if process_group(proc.pid) else None
+    assert proc.returncode != 0 and 'if __name__ == "__main__":' in err.strip().splitlines()[-1], err[-2000:]
+    time.sleep(1)
+    assert [c for _, c in process_group(proc.pid) if c] == []  # its workers went with it (a zombie has no cmdline)
