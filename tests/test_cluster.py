@@ -504,6 +504,49 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
     assert job_file.read_text().strip() == job
 
 
+@pytest.mark.slow
+def test_compare_adopts_a_job_queued_for_a_run_whose_id_was_not_recorded(tmp_path, cluster):
+    """Bug caught (cluster walkthrough): an sbatch that timed out ("Socket timed out", a busy
+    controller) after SLURM had queued the job left no job id; the next `mode compare` submitted the
+    run again: two jobs, one run (the second failed on the run's lock, `--wait` refused the run as in
+    use). Here the job is queued held (no training) and its recorded id removed, as such an sbatch
+    leaves it: compare finds it by name and log path and does not submit a second job; a same-named
+    job of another grid (another runs_dir) is not taken for it."""
+    def grid(runs_dir: Path) -> Path:
+        exp = {"name": "grid", "runs_dir": str(runs_dir), "launcher": "slurm", "nproc": 1, "seeds": [0],
+               "overrides": [*RUN, "train.max_steps=4"],
+               "launcher_options": {"num_gpus": 0, "submit": True, "sbatch_args": ["--hold"]},
+               "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
+        path = runs_dir.parent / f"{runs_dir.name}.yaml"
+        path.write_text(yaml.safe_dump(exp))
+        return path
+
+    def compare(path: Path) -> str:
+        r = subprocess.run([PY, "-m", "mode.cli", "compare", str(path), "--no-wait"], cwd=ROOT,
+                           env=cluster_env(cluster), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+
+    def queued() -> list[str]:
+        return subprocess.run(["squeue", "-h", "-n", "grid-dense_seed0", "-o", "%i"], env=cluster_env(cluster),
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    mine, other = grid(tmp_path / "mine"), grid(tmp_path / "other")
+    try:
+        assert "submitted job" in compare(other)
+        assert "submitted job" in compare(mine)
+        job_file = tmp_path / "mine" / "slurm" / "dense_seed0.jobid"
+        job = job_file.read_text().strip()
+        assert len(queued()) == 2
+        job_file.unlink()  # what an sbatch that timed out after queueing the job leaves
+        err = compare(mine)
+        assert f"found job {job} queued for it without a recorded id" in err and "submitted job" not in err, err
+        assert len(queued()) == 2 and job_file.read_text().strip() == job
+    finally:
+        for j in queued():
+            subprocess.run(["scancel", j], env=cluster_env(cluster))
+
+
 # ----------------------------------------------------------------------------------------------
 # pdsh over ssh: two "nodes" (mode-node0 = 127.0.0.1, mode-node1 = 127.0.0.2).
 
