@@ -7,9 +7,12 @@ STAMP := .venv/.installed
 $(PY):
 	python3 -m venv .venv
 
+# torch first, pinned. Which build: pip's own configuration decides (a local CPU wheel where its
+# find-links hold one, as on the CI machine); PyPI's default Linux wheel bundles CUDA (several GB).
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index.
+TORCH_INDEX ?=
 $(STAMP): $(PY) setup.py
-	# Pinned CPU torch first (a bare `torch` would pull a multi-GB CUDA build).
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

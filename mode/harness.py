@@ -448,15 +448,16 @@ def check_out(out: Path, key: str, shown: str, explicit: bool) -> None:
                                       "so no results are lost") from None
 
 
-def default_out_name(tasks: list[str], routing: str) -> str:
-    """results_<tasks>_<routing>.json; many tasks: the first, their count and a hash of all, so the
-    name stays within a filesystem's 255 bytes."""
+def default_out_name(tasks: list[str], routing: str, limit: float | None = None) -> str:
+    """results_<tasks>_<routing>.json (`_limit<N>` before .json with --limit: a smoke test's few
+    examples never replace a full evaluation's results); many tasks: the first, their count and a
+    hash of all, so the name stays within a filesystem's 255 bytes."""
     joined = "+".join(tasks)
     if len(joined.encode()) > 160:
         import hashlib
 
         joined = f"{tasks[0][:60]}+{len(tasks) - 1}more-{hashlib.sha256(joined.encode()).hexdigest()[:10]}"
-    return f"results_{joined}_{routing}.json"
+    return f"results_{joined}_{routing}" + ("" if limit is None else f"_limit{limit:g}") + ".json"
 
 
 def format_table(res: dict) -> str:
@@ -487,7 +488,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, help="at most N examples per task (a fraction if < 1)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--routing", default="causal", help="causal (sampling-time, default) or topk (training-time)")
-    p.add_argument("--out", help="results JSON file (default: RUN/eval/results_<tasks>_<routing>.json)")
+    p.add_argument("--out", help="results JSON file (default: RUN/eval/results_<tasks>_<routing>.json, "
+                                 "..._limit<N>.json with --limit)")
     a = p.parse_args(argv)
     if ModeLM is None:
         print(INSTALL_HINT, file=sys.stderr)
@@ -503,7 +505,7 @@ def main(argv=None) -> int:
                           "fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
-    out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing)
+    out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing, a.limit)
     own_eval = out.parent.resolve() == (Path(a.run) / "eval").resolve() and Path(a.run).is_dir()  # made if missing
     if a.out and not own_eval and not out.parent.is_dir():
         why = "is a file" if out.parent.exists() else "does not exist"

@@ -540,6 +540,17 @@ def test_eval_default_out_never_replaces_a_users_file_and_stays_a_valid_name(tmp
     assert sorted(json.loads(written.read_text())["results"]) == sorted(tasks)
 
 
+def test_a_limited_evaluation_never_replaces_the_full_one(tmp_path, capsys, stub_harness):
+    """Bug caught (README walkthrough): `--limit 5`, a smoke test, wrote the default file of the full
+    evaluation (results_<tasks>_<routing>.json, mode eval's own, so replaced without a word)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for limit in ([], ["--limit", "5"], ["--limit", "0.25"]):
+        assert cli_main(["eval", "--run", str(run), "--tasks", "t1", *limit]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (run / "eval").iterdir()) == [
+        "results_t1_causal.json", "results_t1_causal_limit0.25.json", "results_t1_causal_limit5.json"]
+
+
 def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness):
     """Bug caught: the output location was only written after the whole evaluation, so an unwritable
     --out lost the results (PermissionError at the end). Then os.access checked it, which says yes to
