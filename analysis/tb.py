@@ -458,7 +458,8 @@ def variant_sort_key(name: str):
     """Baselines first in the order the comparison reads, then anything else alphabetically;
     `dense#2` (a same-named run with another config) sorts with `dense`."""
     base, _, n = name.partition("#")
-    return (VARIANT_ORDER.index(base), "", n) if base in VARIANT_ORDER else (len(VARIANT_ORDER), base, n)
+    num = (0, 0, "") if not n else (1, int(n), "") if n.isdigit() else (2, 0, n)  # dense#2 before dense#10
+    return (VARIANT_ORDER.index(base), "", num) if base in VARIANT_ORDER else (len(VARIANT_ORDER), base, num)
 
 
 def forward_flops_per_token(run: RunLog) -> float | None:

@@ -630,6 +630,14 @@ def test_isoflop_curves_are_the_runs_that_differ_only_in_size_and_steps():
     assert names["dense_m"] == "dense_m" and len({names[v] for v in ("dense_s", "dense_m")}) == 2
 
 
+def test_numbered_variants_sort_by_number():
+    """Bug caught (README walkthrough): same-named runs of 12 configs were listed dense#1, dense#10,
+    dense#11, dense#12, dense#2, ...: the number compared as text."""
+    names = ["zeta#12", "dense#10", "mod", "dense#2", "zeta#3", "dense#1", "moe", "dense", "zeta"]
+    assert sorted(names, key=tb.variant_sort_key) == ["dense", "dense#1", "dense#2", "dense#10", "mod", "moe",
+                                                      "zeta", "zeta#3", "zeta#12"]
+
+
 def test_decoupled_routing_is_shown_per_router():
     # Bug caught: a decoupled variant drawn as one bar per layer, the tokens that got both sublayers
     # (~ attn capacity x MLP capacity), instead of each router's own fraction and causal fraction.
