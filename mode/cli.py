@@ -21,9 +21,12 @@ def _flops(argv) -> int:
     p.add_argument("--config", required=True, action=Once)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
-    p.add_argument("--knob", default="model.mod.capacity", help="float field tuned by --match")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--knob", help="float field tuned by --match (default: model.mod.capacity)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the config")
     a = p.parse_intermixed_args(argv)  # overrides before or after the options, as in `mode train`
+    if a.knob is not None and not a.match:  # it only says what --match tunes: alone it did nothing, silently
+        raise ConfigError("--knob", a.knob, "given with --match OTHER.yaml (the field --match tunes)")
+    typed_knob, a.knob = a.knob is not None, a.knob or "model.mod.capacity"
     cfg = load_config(a.config, a.overrides)
     if a.match:
         _check_knob(cfg, a.knob)
@@ -36,7 +39,8 @@ def _flops(argv) -> int:
                 for x in (1e-3, 1.0)]
         if ends[0] == ends[1]:  # e.g. model.mod.capacity of a config without depth-routed layers
             raise ConfigError("--knob", a.knob, f"a field that changes this config's FLOPs/token ({ends[0]:.6g} at "
-                              "0.001 and at 1 here)")
+                              "0.001 and at 1 here)" + ("" if typed_knob else "; --knob (default model.mod.capacity) "
+                                                        "names the field --match tunes, e.g. model.moe.capacity_factor"))
         v = solve_knob(cfg, a.knob, target, 1e-3, 1.0)
         cfg = load_config(a.config, a.overrides + [f"{a.knob}={v}"])
         got = count(cfg)["forward_flops_per_token"]

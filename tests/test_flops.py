@@ -189,3 +189,17 @@ def test_flops_bad_option_is_one_line(capsys):
         main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--bogus"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err == ["mode flops: error: unrecognized arguments: --bogus"], err
+
+
+def test_knob_alone_is_refused_and_the_default_knob_is_named_as_such(capsys):
+    """Bugs caught (README walkthrough): `--knob` without `--match` was ignored without a word; and
+    `--match` on a config without depth routing failed on `--knob='model.mod.capacity'`, a flag the
+    user never typed, without saying it is the default or what else to tune."""
+    from mode.cli import main
+
+    assert main(["flops", "--config", str(ROOT / "configs/tiny/mod.yaml"), "--knob", "model.mod.capacity"]) == 2
+    assert "config error: --knob='model.mod.capacity': given with --match OTHER.yaml" in capsys.readouterr().err
+    assert main(["flops", "--config", str(ROOT / "configs/tiny/moe_dropping.yaml"),
+                 "--match", str(ROOT / "configs/tiny/dense.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--knob (default model.mod.capacity) names the field --match tunes" in err, err
