@@ -600,9 +600,12 @@ class Trainer:
                 ev = self.evaluate()
                 row.update({**ev, **self._seen()})
                 t_log += time.perf_counter() - t0  # eval time is not training time (steps before it still count)
-                if bar is None and self.rank == 0:
-                    print(f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in ev.items()),
-                          flush=True)
+                if self.rank == 0:
+                    line = f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in ev.items())
+                    if bar is not None:
+                        bar.write(line)  # above the bar (which has no room for eval losses)
+                    else:
+                        print(line, flush=True)
             self.log.write(row, self.step)
             last.update(row)
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or done:

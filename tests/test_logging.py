@@ -186,6 +186,36 @@ def test_the_training_bar_only_when_both_streams_are_a_terminal(monkeypatch):
     os.close(master)
 
 
+@pytest.mark.slow
+def test_a_run_on_a_terminal_shows_its_evaluations_above_the_bar(tmp_path):
+    """Bug caught (README walkthrough): on a terminal (the tqdm bar) the evaluation losses were never
+    printed: the bar's postfix has the training loss only, the eval line was for logs alone. Run on a
+    real pseudo-terminal (stdout and stderr), as a user's shell gives it."""
+    import os
+    import time
+
+    master, slave = os.openpty()
+    proc = subprocess.Popen([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/dense.yaml", *TINY,
+                             "log.progress=true", "train.max_steps=4", "train.eval_every=2", f"run.dir={tmp_path / 'r'}"],
+                            cwd=ROOT, env=env(1), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the process closed its side
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(timeout=60)
+    os.close(master)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"step 2/4 \| eval/loss \d", text) and re.search(r"step 4/4 \| eval/loss \d", text), text[-3000:]
+
+
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged", decoupled
     routing's included: its `mod_attn/`, `mod_mlp/` tags by the README's rule that they repeat the
