@@ -1024,22 +1024,28 @@ def _prepare_locked(cfg: DataConfig, tok, out: Path, force: bool, progress: bool
     return out
 
 
-def progress_bar(desc: str):
+def progress_bar(desc: str, t0: float | None = None):
     """A tqdm bar on a terminal; in a log file (every cluster job) its carriage-return redraws
-    would be all the log holds, so there one plain line a minute and one at the end."""
+    would be all the log holds, so there one plain line a minute and one at the end. `t0`: when
+    the work began (time.perf_counter): the bar opens at the first result, by which time the
+    workers may have done most of it ("4.7M tokens in 0 s")."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        return tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
-    return PlainProgress(desc, 60.0)
+        bar = tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True, file=sys.stderr)
+        if t0 is not None:  # tqdm measures from start_t, on its own clock (time.time)
+            bar.start_t -= time.perf_counter() - t0
+        return bar
+    return PlainProgress(desc, 60.0, t0)
 
 
 class PlainProgress:
     """tqdm's update/close, printed as plain lines: `<desc>: N tokens in T s (R tokens/s)`."""
 
-    def __init__(self, desc: str, every_s: float):
+    def __init__(self, desc: str, every_s: float, t0: float | None = None):
         self.desc, self.every_s, self.n = desc, every_s, 0
-        self.t0 = self.last = time.perf_counter()
+        self.last = time.perf_counter()
+        self.t0 = self.last if t0 is None else t0
 
     def update(self, n: int) -> None:
         self.n += n
@@ -1098,7 +1104,7 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
             nonlocal bar
             for (r, done) in encode(itertools.islice(it, skip, None)):
                 if progress and bar is None:  # opened at the first batch: a bad source prints only its error
-                    bar = progress_bar(f"prepare {tmp.name.removesuffix('.tmp')}")
+                    bar = progress_bar(f"prepare {tmp.name.removesuffix('.tmp')}", t0)
                 if bar is not None:
                     bar.update(len(r[0]))
                 shards = len(train.shards) + len(val.shards)
