@@ -215,13 +215,26 @@ COMMANDS = {"train": _train, "compare": _compare, "generate": _generate, "flops"
             "data": _data, "eval": _eval, "export": _export}
 
 
+SUMMARIES = {  # `mode --help`: one line per command (README "Commands" has them with their options)
+    "train": "train one run (a config plus dotted.key=value overrides; resumes its run.dir)",
+    "compare": "run an experiment's grid of variants x seeds and write its report",
+    "generate": "sample from a run or an export (causal routing)",
+    "flops": "parameters and forward FLOPs per token; --match solves a knob to another config's FLOPs",
+    "analyze": "write the comparison report of a directory of runs",
+    "data": "data prepare: tokenize a config's data once into memory-mapped shards",
+    "eval": "evaluate a run with lm-evaluation-harness tasks",
+    "export": "write a portable model (safetensors, config, tokenizer) of a run",
+}
+
+
 def main(argv=None) -> int:
     from mode.errors import guarded, wants_debug
 
     debug, argv = wants_debug(list(sys.argv[1:] if argv is None else argv))
     usage = f"usage: mode {{{','.join(COMMANDS)}}} [--debug] ...  (mode COMMAND --help for its options)"
     if argv and argv[0] in ("-h", "--help"):
-        print(usage)
+        print(usage + "\n\n" + "\n".join(f"  {name:<9}{what}" for name, what in SUMMARIES.items())
+              + "\n\n--debug (any command, or MODE_DEBUG=1): a traceback instead of the one-line error")
         return 0
     if not argv or argv[0] not in COMMANDS:
         print(usage if not argv else f"mode: error: unknown command {argv[0]!r} (one of {', '.join(COMMANDS)})",

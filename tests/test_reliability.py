@@ -920,6 +920,11 @@ def test_top_level_help_and_unknown_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: mode {") and all(c in out for c in COMMANDS)
+    # one line of what each command does (it was the usage line alone), and --debug
+    from mode.cli import SUMMARIES
+
+    assert list(SUMMARIES) == list(COMMANDS) and all(f"  {c:<9}{w}" in out for c, w in SUMMARIES.items())
+    assert "--debug (any command" in out
     assert main(["data", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: mode data prepare")
     assert main(["trian", "--config", "x.yaml"]) == 2
     lines = one_line(capsys.readouterr().err)
