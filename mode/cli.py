@@ -94,7 +94,7 @@ def _generate(argv) -> int:
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch of prompts")
     p.add_argument("--prompt-file", help="a text file with one prompt per line (added after any --prompt); "
                    "blank lines are skipped")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample after each prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.8, help="default 0.8 (sampled); 0 = greedy (argmax; --top-k/--top-p unused)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this mass; 1 = all")

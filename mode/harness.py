@@ -486,7 +486,7 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task/group names")
     p.add_argument("--include-path", help="directory of extra task YAMLs (e.g. configs/eval)")
     p.add_argument("--limit", type=float, help="at most N examples per task (a fraction if < 1)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     p.add_argument("--routing", default="causal", help="causal (sampling-time, default) or topk (training-time)")
     p.add_argument("--out", help="results JSON file (default: RUN/eval/results_<tasks>_<routing>.json, "
                                  "..._limit<N>.json with --limit)")
