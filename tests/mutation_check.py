@@ -1,7 +1,7 @@
 """Do the tests catch the bugs they are named after? Plant one bug at a time (a mutant) in a copy
 of the tree and run the fast tests that should catch it; a mutant the tests pass is a missed bug.
 
-    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~15 min for all on 2 cores
+    .venv/bin/python tests/mutation_check.py [NAME_SUBSTRING ...]   # ~25 min for all on 2 cores
 
 Each mutant is a one-line change a real implementation could plausibly get wrong (the mistakes
 other MoD and MoE implementations make, and the exact routing semantics README states). The copy
