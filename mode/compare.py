@@ -579,8 +579,10 @@ def status(run: GridRun) -> tuple[str, int]:
     step = ckpt.latest_step(d)
     if step is None:
         return "new", 0
-    # the trainer's own rule (mode.train.finished): finished = DONE and a checkpoint at max_steps
-    return ("done", step) if (d / "DONE").exists() and step >= run.cfg.train.max_steps else ("resume", step)
+    # the trainer's own rule (mode.train.finished): finished = DONE and an intact checkpoint at max_steps
+    # (a damaged one: the trainer's start reports it and falls back, so it is a run to resume)
+    done = (d / "DONE").exists() and step >= run.cfg.train.max_steps
+    return ("done", step) if done and ckpt.verify(ckpt.latest(ckpt.checkpoints_dir(d))) is None else ("resume", step)
 
 
 def resume_hint(run: GridRun, rc: int = 1) -> str:

@@ -209,10 +209,12 @@ def finished(cfg: Config) -> str | None:
     step = ckpt.latest_step(run_dir)
     if cfg.run.fresh or step is None:
         return None
-    if (run_dir / "DONE").exists() and step >= cfg.train.max_steps:
+    done, stop = (run_dir / "DONE").exists() and step >= cfg.train.max_steps, cfg.train.stop_at
+    if (done or 0 < stop <= step) and ckpt.verify(ckpt.latest(ckpt.checkpoints_dir(run_dir))) is not None:
+        return None  # a damaged last checkpoint is not a finished run: the start reports it and falls back
+    if done:
         return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
                 "run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues")
-    stop = cfg.train.stop_at
     if 0 < stop <= step:
         return (f"run.dir={str(run_dir)!r} is already at step {step} (train.stop_at={stop}): nothing to do, nothing "
                 "written; the same command with train.stop_at=0 (or a later step) continues it")

@@ -896,6 +896,15 @@ def test_compare_calls_a_run_done_exactly_when_the_trainer_does(tmp_path):
     (run.dir / "config.yaml").write_bytes(b"\xff\x00")  # unreadable: the rule does not read it
     (run.dir / "DONE").write_text("{}")
     assert compare.status(run)[0] == "done" and finished(run.cfg) is not None
+    # Bug caught (resume review): a final checkpoint with a flipped byte counted as finished ("already
+    # finished ... nothing to do", and compare skipped it); the start's verification falls back from it
+    (step / "model.pt").write_bytes(b"weightz")
+    assert compare.status(run)[0] == "resume" and finished(run.cfg) is None
+    run.cfg.train.max_steps, run.cfg.train.stop_at = 10, 6  # the same for a run at its train.stop_at
+    (run.dir / "DONE").unlink()
+    assert finished(run.cfg) is None
+    (step / "model.pt").write_bytes(b"weights")
+    assert finished(run.cfg) is not None and "train.stop_at=6" in finished(run.cfg)
 
 
 def stub_grid(tmp_path: Path, **extra) -> Path:
