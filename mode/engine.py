@@ -379,6 +379,10 @@ def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):
                                                  config=ds_config(cfg, world_size))
     undo_warm_up_step(opt)
     run_backward_prologue(engine)
+    if world_size == 1 and cfg.deepspeed.zero_stage == 0:
+        # One process: DeepSpeed's all-reduce of the gradients flattens and copies each back
+        # unchanged (47 ms of a bf16 step of a 60M-parameter model, profiled); nothing to reduce.
+        engine.enable_backward_allreduce = False
     return engine, opt, sched
 
 

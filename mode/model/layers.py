@@ -106,6 +106,20 @@ class KVCache:
         self.len_B = self.len_B.index_select(0, rows_N)
 
 
+# bf16 attention over at most this many keys runs in fp32 on a CPU: measured on an avx512_bf16 CPU,
+# causal SDPA forward + backward in bf16 takes 9x fp32's time over 16 keys, 2x over 128, about 1x
+# over 256 and 0.73x from 1024 on (benchmarks/RESULTS.md, "bf16 attention on CPU"); a depth-routed
+# block of a tiny preset attends over 16. bf16 -> fp32 is exact; the result is rounded back to bf16.
+CPU_BF16_SDPA_MAX_KEYS = 256
+
+
+def sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention, in fp32 for bf16 on a CPU over few keys (see above)."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and k.shape[-2] <= CPU_BF16_SDPA_MAX_KEYS:
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, max_seq_len: int, rope_theta: float):
         super().__init__()
@@ -141,21 +155,21 @@ class Attention(nn.Module):
             cache.write(k, v, None if kv_x_BTD is not None else rows_N, kv_valid_BT)
             if not prefill:
                 k_c, v_c, keymask_NW = cache.read(rows_N)
-                y = F.scaled_dot_product_attention(q, k_c, v_c, attn_mask=keymask_NW[:, None, None])
+                y = sdpa(q, k_c, v_c, attn_mask=keymask_NW[:, None, None])
                 return self.out(y.transpose(1, 2).reshape(B, S, D))
         if kv_x_BTD is not None:
             # Causal by position; key 0 precedes every query, so no row is all-masked (queries that
             # are padding are discarded by the routing wrapper).
             mask_BST = kv_pos_BT[:, None, :] <= pos_BS[:, :, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BST[:, None])
+            y = sdpa(q, k, v, attn_mask=mask_BST[:, None])
         elif valid_BS is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = sdpa(q, k, v, is_causal=True)
         else:
             # Ragged subsets: causal among the gathered tokens and only valid keys; the diagonal
             # stays visible so padded queries never see an all-masked row (they are discarded).
             causal_SS = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()
             mask_BSS = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x_BSD.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BSS[:, None])
+            y = sdpa(q, k, v, attn_mask=mask_BSS[:, None])
         return self.out(y.transpose(1, 2).reshape(B, S, D))
 
     @staticmethod
