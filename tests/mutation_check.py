@@ -560,6 +560,13 @@ MUTANTS = [
      ["tests/test_analysis.py"]),
     ("flops --knob without --match ignored", "mode/cli.py",
      "    if a.knob is not None and not a.match:", "    if False:", ["tests/test_flops.py"]),
+    ("a damaged last checkpoint counts as a finished run (trainer)", "mode/train.py",
+     "if (done or 0 < stop <= step) and ckpt.verify(", "if False and ckpt.verify(", ["tests/test_compare.py"]),
+    ("a damaged last checkpoint counts as a finished run (compare)", "mode/compare.py",
+     'return ("done", step) if done and ckpt.verify(ckpt.latest(ckpt.checkpoints_dir(d))) is None else',
+     'return ("done", step) if done else', ["tests/test_compare.py"]),
+    ("one process all-reduces its gradients", "mode/engine.py",
+     "        engine.enable_backward_allreduce = False\n", "        pass\n", ["tests/test_bf16.py"]),
 ]
 
 
