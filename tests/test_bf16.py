@@ -72,13 +72,7 @@ def test_bf16_training_decreases_the_loss_like_fp32(tmp_path):
         assert abs(tr["bf16"][s] - tr["fp32"][s]) < 0.15, (s, tr)
 
 
-def test_bf16_at_zero_0_starts_adamw_as_fp32_does(monkeypatch):
-    """Bug caught: at ZeRO 0 DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer) created AdamW's state by
-    stepping it on zero gradients, so Adam's bias correction started at step 2 (the first real update
-    moved each weight by 0.73 x lr, not lr) and bf16 trained measurably worse than fp32 (tiny preset,
-    30 steps: eval 3.904 vs 3.866; ZeRO 1: 3.867). After the engine is built there is no AdamW state
-    and the fp32 masters equal the weights; the first step moves every weight with a gradient by lr
-    (Adam's first update is lr x sign(g), weight decay off), in the fp32 masters."""
+def _world_of_one(monkeypatch) -> None:
     import torch.distributed as dist
 
     from tests.util import free_port
@@ -89,6 +83,16 @@ def test_bf16_at_zero_0_starts_adamw_as_fp32_does(monkeypatch):
             monkeypatch.setenv(k, v)
         eng.init_distributed()
     monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it
+
+
+def test_bf16_at_zero_0_starts_adamw_as_fp32_does(monkeypatch):
+    """Bug caught: at ZeRO 0 DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer) created AdamW's state by
+    stepping it on zero gradients, so Adam's bias correction started at step 2 (the first real update
+    moved each weight by 0.73 x lr, not lr) and bf16 trained measurably worse than fp32 (tiny preset,
+    30 steps: eval 3.904 vs 3.866; ZeRO 1: 3.867). After the engine is built there is no AdamW state
+    and the fp32 masters equal the weights; the first step moves every weight with a gradient by lr
+    (Adam's first update is lr x sign(g), weight decay off), in the fp32 masters."""
+    _world_of_one(monkeypatch)
     cfg = load_config("configs/tiny/dense.yaml", [*TINY, "deepspeed.precision=bf16", "deepspeed.zero_stage=0",
                                                   "optim.grad_clip=0", "optim.weight_decay=0", "optim.warmup_steps=0"])
     torch.manual_seed(0)
@@ -108,19 +112,6 @@ def test_bf16_at_zero_0_starts_adamw_as_fp32_does(monkeypatch):
     for m, b, g in zip(masters, before, grads):
         moved = (m.detach() - b)[g.abs() > 1e-4]
         assert moved.numel() and torch.allclose(moved.abs(), torch.full_like(moved, lr), rtol=1e-3), (lr, moved.abs().mean())
-
-
-def _world_of_one(monkeypatch) -> None:
-    import torch.distributed as dist
-
-    from tests.util import free_port
-
-    if not dist.is_initialized():  # a world of one in this process, kept (DeepSpeed caches its groups)
-        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(free_port())).items():
-            monkeypatch.setenv(k, v)
-        eng.init_distributed()
-    monkeypatch.setenv("LOCAL_RANK", "0")  # deepspeed.initialize asks for it
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
