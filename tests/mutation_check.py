@@ -236,7 +236,7 @@ MUTANTS = [
     ("a MegaBlocks down projection initialised at the full std", "mode/model/layers.py",
      '"w_out", "experts.mlp.w2"))', '"w_out"))', ["tests/test_train.py"]),
     ("compare and the trainer disagree on a finished run", "mode/compare.py",
-     "if (d / \"DONE\").exists() and step >= run.cfg.train.max_steps", "if (d / \"DONE\").exists()",
+     "done = (d / \"DONE\").exists() and step >= run.cfg.train.max_steps", "done = (d / \"DONE\").exists()",
      ["tests/test_compare.py"]),
     # Session 11: nothing lost (issue #16 audit)
     ("the continue command keeps run.fresh=true", "mode/console.py",
