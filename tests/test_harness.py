@@ -460,7 +460,7 @@ def test_export_eval_generate_end_to_end(tmp_path):
     # the run directory itself, with top-k routing, and its default results path
     mode_cli("eval", "--run", run, "--tasks", "stdlib_next_line", "--include-path", "configs/eval", "--limit", "2",
              "--routing", "topk")
-    res = json.loads((run / "eval" / "results_stdlib_next_line_topk.json").read_text())
+    res = json.loads((run / "eval" / "results_stdlib_next_line_topk_limit2.json").read_text())  # --limit in the name
     assert res["mode"]["routing"] == "topk" and "stdlib_next_line" in res["results"]
     g = mode_cli("generate", "--run", tmp_path / "export", "--prompt", "def ", "--max-new-tokens", "4")
     assert g.stdout.startswith("=== [0] 4 tokens ===\ndef ")  # mode generate's header, then prompt + sample
