@@ -795,7 +795,8 @@ def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
         run.dir.mkdir(parents=True)
         final = ckpt.step_dir(ckpt.checkpoints_dir(run.dir), run.cfg.train.max_steps)
         final.mkdir(parents=True)
-        (final / ckpt.MANIFEST).write_text("{}")
+        (final / "model.pt").write_bytes(b"weights")
+        ckpt.write_manifest(final, run.cfg.train.max_steps)  # one that verifies
         (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
         (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed, "world_size": 1}))
         (run.dir / "DONE").write_text("{}")
