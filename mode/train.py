@@ -80,10 +80,11 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
                           "config.json and the TensorBoard TEXT tab hold a copy), or use another run.dir (run.fresh=true "
                           "deletes them)")
     old = typed_dict(old)  # a config written back by hand (from a checkpoint's config.json) may hold `1e-06`
-    unknown = sorted(set(flatten(old)) - set(flatten(cfg.to_dict())))
+    saved_keys = flatten(old)
+    unknown = sorted(set(saved_keys) - set(flatten(cfg.to_dict())))
     if unknown:  # a typo added by hand: "start over" (run.fresh) would be the wrong advice
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its config.yaml has {unknown[0]}="
-                          f"{flatten(old)[unknown[0]]!r}, which is not a config key (edited by hand, or written by "
+                          f"{saved_keys[unknown[0]]!r}, which is not a config key (edited by hand, or written by "
                           f"another version of mode); remove it from {saved} or use another run.dir")
     diff = config_diff(old, cfg.to_dict())
     sched = schedule_diff(old, cfg.to_dict())
