@@ -120,17 +120,17 @@ class ModConfig:
     capacity: Capacity = 0.125
     """Fraction of the sequence each routed block processes: k = max(1, round(capacity * S)), Python's round (a half goes to the even integer: 0.125 * 20 -> 2); in (0, 1]. A list gives one value per routed layer (a per-layer schedule), paired with the routed layers in increasing order (an explicit `layers` list must then be in increasing order)."""
     decoupled: bool = False
-    """Route attention and MLP separately, each with its own router and capacity (attn_capacity, mlp_capacity) instead of the whole block."""
+    """Route attention and MLP separately, each with its own router and capacity (attn_capacity, mlp_capacity) instead of the whole block; refused when `layers` routes no layer."""
     attn_capacity: Optional[Capacity] = None
     """With decoupled: capacity of the attention router (a fraction or one per routed layer); null = capacity."""
     mlp_capacity: Optional[Capacity] = None
     """With decoupled: capacity of the MLP router (a fraction or one per routed layer); null = capacity."""
     kv: str = "selected"
-    """Keys/values of routed attention: `selected` (only processed tokens compute Q, K, V: the paper) or `all` (every token gives K/V, only selected tokens compute queries and take the update; at decode every token appends K/V)."""
+    """Keys/values of routed attention: `selected` (only processed tokens compute Q, K, V: the paper) or `all` (every token gives K/V, only selected tokens compute queries and take the update; at decode every token appends K/V); `all` is refused when `layers` routes no layer."""
     gate: str = "identity"
-    """g(r) multiplying the block's update of selected tokens: `identity` (paper: x + r * f(x)) or `sigmoid`."""
+    """g(r) multiplying the block's update of selected tokens: `identity` (paper: x + r * f(x)) or `sigmoid` (refused when `layers` routes no layer)."""
     routing: str = "learned"
-    """`learned` top-k on router scores, or `stochastic` (random top-k: the paper's control)."""
+    """`learned` top-k on router scores, or `stochastic` (random top-k: the paper's control; refused when `layers` routes no layer)."""
     causal: str = "predictor"
     """Causal routing for sampling: `aux_loss` (BCE on router logits), `predictor` (stop-gradient MLP), `both`, `threshold` (process tokens whose router score exceeds a running average of the k-th largest score seen in training), or `none` (sign of the router score)."""
     aux_loss_weight: float = 0.01
@@ -170,6 +170,15 @@ class ModConfig:
         _check(self.aux_loss_weight >= 0, "model.mod.aux_loss_weight", self.aux_loss_weight, ">= 0")
         _check(self.predictor_loss_weight >= 0, "model.mod.predictor_loss_weight", self.predictor_loss_weight, ">= 0")
         _check(self.predictor_hidden >= 0, "model.mod.predictor_hidden", self.predictor_hidden, ">= 0")
+        # A variant key that changes what a depth-routed layer computes, set with no such layer, would
+        # train a dense model under the variant's name: refused. (capacity, causal and the loss weights
+        # are left alone: they are --match's knob and sampling/loss settings a grid may share.)
+        if not n_routed:
+            for name, default, shown in (("kv", "selected", "selected"), ("decoupled", False, "false"),
+                                         ("gate", "identity", "identity"), ("routing", "learned", "learned")):
+                _check(getattr(self, name) == default, f"model.mod.{name}", getattr(self, name),
+                       f"{shown} (the default) unless model.mod.layers names a depth-routed layer "
+                       f"(model.mod.layers={self.layers!r} routes none)")
         if n_routed:  # a zero weight leaves the causal router untrained (the predictor's input is detached)
             for name, modes in (("aux_loss_weight", ("aux_loss", "both")),
                                 ("predictor_loss_weight", ("predictor", "both"))):
@@ -184,7 +193,7 @@ class MoEConfig:
     num_experts: int = 8
     """E, the number of real (parameterised) experts."""
     num_noop_experts: int = 0
-    """N parameter-free no-op experts (integrated MoDE): a route to one gives the token no MLP update."""
+    """N parameter-free no-op experts (integrated MoDE): a route to one gives the token no MLP update; > 0 is refused when `layers` names no MoE layer."""
     top_k: int = 1
     """Experts per token (token-choice)."""
     d_expert: int = 0
@@ -242,6 +251,12 @@ class MoEConfig:
                f"a divisor of num_experts={self.num_experts}")
         if self.backend != "deepspeed":
             _check(self.ep_size == 1, k + "ep_size", self.ep_size, "1 unless backend is deepspeed")
+        # No-op experts with no MoE layer would train (and label) a dense model as integrated MoDE: refused.
+        # (The backend, capacities, noop_balance and loss weights are left alone: a grid may share them
+        # with dense or MoE variants; `mode_integrated.yaml model.moe.num_noop_experts=0` is an ablation.)
+        if not resolve_layers(self.layers, n_layers):
+            _check(self.num_noop_experts == 0, k + "num_noop_experts", self.num_noop_experts,
+                   f"0 unless model.moe.layers names an MoE layer (model.moe.layers={self.layers!r} names none)")
         # The deepspeed and megablocks backends execute OUR router's decisions (mode/moe/*): every
         # routing option (no-op experts, z-loss, drop policy, weights) applies to all backends.
 

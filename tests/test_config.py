@@ -195,3 +195,34 @@ def test_config_given_twice_is_refused(capsys):
         main(["--config", "configs/tiny/dense.yaml", "--config", "configs/tiny/mod.yaml", "--print-config"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--config given twice" in err[0], err
+
+
+@pytest.mark.parametrize("config,overrides,line", [
+    ("dense", ["model.mod.kv=all"], "model.mod.kv='all': selected (the default) unless model.mod.layers names a "
+                                    "depth-routed layer (model.mod.layers='none' routes none)"),
+    ("dense", ["model.mod.decoupled=true"], "model.mod.decoupled=True: false (the default) unless model.mod.layers"),
+    ("dense", ["model.mod.decoupled=true", "model.mod.attn_capacity=0.5"], "model.mod.decoupled=True: false"),
+    ("dense", ["model.mod.gate=sigmoid"], "model.mod.gate='sigmoid': identity (the default) unless"),
+    ("dense", ["model.mod.routing=stochastic"], "model.mod.routing='stochastic': learned (the default) unless"),
+    ("mod", ["model.mod.layers=[]", "model.mod.kv=all"], "model.mod.kv='all': selected (the default) unless "
+                                                          "model.mod.layers names a depth-routed layer "
+                                                          "(model.mod.layers=[] routes none)"),
+    ("dense", ["model.moe.num_noop_experts=2"], "model.moe.num_noop_experts=2: 0 unless model.moe.layers names an "
+                                                "MoE layer (model.moe.layers='none' names none)"),
+])
+def test_a_variant_key_with_nothing_to_act_on_is_refused(config, overrides, line):
+    """Bug caught: `model.mod.kv=all` or `model.mod.decoupled=true` (or the sigmoid gate, stochastic
+    routing, no-op experts) on a config with no layer they act on was accepted and trained the plain
+    model under the variant's name. Keys a grid may share with a dense variant (capacity, causal, loss
+    weights, the MoE backend) stay accepted, as do all shipped configs."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / f"configs/tiny/{config}.yaml", overrides)
+    msg = str(e.value)
+    assert msg.startswith("config error: " + line) and "\n" not in msg, msg
+    for ok in (["model.mod.capacity=0.5", "model.mod.causal=threshold", "model.mod.aux_loss_weight=0"],
+               ["model.moe.backend=deepspeed", "model.moe.capacity_factor=0.5"]):
+        load_config(ROOT / "configs/tiny/dense.yaml", ok)
+    load_config(ROOT / "configs/tiny/mod.yaml", ["model.mod.kv=all", "model.mod.decoupled=true",
+                                                 "model.mod.gate=sigmoid", "model.mod.routing=stochastic"])
+    load_config(ROOT / "configs/tiny/mode_integrated.yaml")
+    load_config(ROOT / "configs/tiny/mode_integrated.yaml", ["model.moe.num_noop_experts=0"])  # an ablation
