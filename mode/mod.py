@@ -133,8 +133,8 @@ class MoDBlock(nn.Module):
             return torch.zeros_like(x_B1D)
         every = N == B
         inner_ctx = ctx.with_(pos_BS=ctx.pos_BS if every else ctx.pos_BS.index_select(0, rows_N), valid_BS=None)
-        if self.kv_all:
-            inner_ctx.kv_x_BSD, inner_ctx.kv_pos_BS = x_B1D, ctx.pos_BS
+        if self.kv_all:  # every valid row's token gives K/V (a padding row's is written, not counted)
+            inner_ctx.kv_x_BSD, inner_ctx.kv_pos_BS, inner_ctx.kv_valid_BS = x_B1D, ctx.pos_BS, ctx.valid_BS
         ctx.cache.rows_N = None if every else rows_N
         try:
             delta_N1D = self.inner(x_B1D if every else x_B1D.index_select(0, rows_N), inner_ctx)

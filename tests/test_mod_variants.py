@@ -230,6 +230,68 @@ def test_cached_decoding_equals_full_causal_recompute(variant):
             assert len(set(c.len_B.tolist())) > 1
 
 
+# Padding patterns of one row of 12 (False = padding): left, holes, right. Row 0 has none.
+PADDED = torch.tensor([[True] * 12,
+                       [False] * 4 + [True] * 8,
+                       [False, True, True, False, False, True, True, True, False, True, True, True],
+                       [True] * 9 + [False] * 3])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_padded_key_never_contributes_whatever_the_padding_pattern(variant, monkeypatch):
+    """Bug caught: K/V-from-all attention ignored the key mask (`kv_valid_BT`): a valid query attended
+    to padding keys at earlier positions (left padding, holes); harmless only for right padding.
+    Reference: each row alone, its valid tokens only, at the positions they have in the batch."""
+    from mode.model import layers
+
+    # No query row is all-masked, padding slots included (the wrapper discards them): an all-masked
+    # softmax is NaN on some SDPA backends (this CPU's returns 0), and a NaN poisons gradients.
+    rows_ok, sdpa = [], layers.sdpa
+
+    def checked_sdpa(q, k, v, attn_mask=None, **kw):
+        rows_ok.append(attn_mask is None or bool(attn_mask.any(-1).all()))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(layers, "sdpa", checked_sdpa)
+    model = model_of(variant, dtype=torch.float64).eval()
+    B, P = PADDED.shape
+    ids = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(P).expand(B, P)
+    with torch.no_grad():
+        out = model(ids, routing="causal", valid_BS=PADDED).logits
+        for i in range(B):
+            v = PADDED[i]
+            alone = model(ids[i:i + 1, v], routing="causal", pos_BS=pos[i:i + 1, v]).logits[0]
+            # float64, but the routers run in fp32 (the row's batch mates change its GEMM's rounding)
+            torch.testing.assert_close(out[i, v], alone, rtol=1e-6, atol=1e-6, msg=lambda m: f"row {i}: {m}")
+    assert rows_ok and all(rows_ok)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_padded_decoding_step_leaves_no_key_in_the_cache(variant):
+    """Bug caught: at a decoding step whose token is padding (`valid_BS` False), K/V-from-all attention
+    still appended that token's K/V to the cache and later tokens attended to it (a plain routed block
+    skips the row, a dense layer writes the slot without counting it). Reference: the row alone, one
+    valid token per step, at the same positions."""
+    model = model_of(variant).eval()
+    B, P = PADDED.shape
+    ids = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        caches = model.new_caches(B, P)
+        step = torch.cat([model(ids[:, t:t + 1], routing="causal", caches=caches, valid_BS=PADDED[:, t:t + 1],
+                                pos_BS=torch.full((B, 1), t)).logits for t in range(P)], 1)
+        for block, c in zip(model.blocks, caches):  # a layer whose attention sees every token counts the valid ones
+            attn = block if isinstance(block, MoDBlock) else block.attn if isinstance(block.attn, MoDBlock) else None
+            if attn is None or attn.kv_all:
+                assert c.len_B.tolist() == PADDED.sum(1).tolist()
+        for i in range(B):
+            ts = PADDED[i].nonzero()[:, 0].tolist()
+            alone_c = model.new_caches(1, len(ts))
+            alone = torch.cat([model(ids[i:i + 1, t:t + 1], routing="causal", caches=alone_c,
+                                     pos_BS=torch.tensor([[t]])).logits for t in ts], 1)[0]
+            torch.testing.assert_close(step[i, ts], alone, rtol=1e-5, atol=1e-5, msg=lambda m: f"row {i}: {m}")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_flops_and_params_equal_flop_counter(variant):
     """S = 90: capacity * S is not a whole number for most capacities (22.5, 67.5, 11.25), so the

@@ -158,9 +158,13 @@ class Attention(nn.Module):
                 y = sdpa(q, k_c, v_c, attn_mask=keymask_NW[:, None, None])
                 return self.out(y.transpose(1, 2).reshape(B, S, D))
         if kv_x_BTD is not None:
-            # Causal by position; key 0 precedes every query, so no row is all-masked (queries that
-            # are padding are discarded by the routing wrapper).
+            # Causal by position, and only valid keys: a padding key never contributes, wherever it
+            # sits (left padding, holes). A query left without a key (padding: the routing wrapper
+            # discards it) keeps its causal row so that softmax stays finite.
             mask_BST = kv_pos_BT[:, None, :] <= pos_BS[:, :, None]
+            if kv_valid_BT is not None:
+                keyed_BST = mask_BST & kv_valid_BT[:, None, :]
+                mask_BST = torch.where(keyed_BST.any(-1, keepdim=True), keyed_BST, mask_BST)
             y = sdpa(q, k, v, attn_mask=mask_BST[:, None])
         elif valid_BS is None:
             y = sdpa(q, k, v, is_causal=True)
