@@ -12,7 +12,8 @@ child and passes its exit status on.
 Launchers:
 
 - `--launcher deepspeed` (default). With `--hostfile` (lines `host slots=N`) and ssh between
-  nodes, one command on the first node starts every node (pdsh). Every host must be reachable by
+  nodes, one command on the first node starts every node (pdsh, which must be on PATH here, as must
+  ssh: else one line, exit 2). Every host must be reachable by
   passwordless ssh from this node (itself included); that is checked first (one line naming the
   host that is not, exit 2). The master address is the first host unless `--master_addr` says
   otherwise (one node of a hostfile runs here: 127.0.0.1, no ssh); `--ssh_port` and `--launcher_args` go to DeepSpeed's runner. With `--no_ssh
@@ -57,6 +58,10 @@ PASS_PREFIXES = ("MODE_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "OMP_", "DS_AC
                  "SLURM_JOB_ID", "SLURM_RESTART_COUNT")  # every rank must see a requeue (train.requeued_fresh_start)
 DS_BACKENDS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")  # DeepSpeed runner's --launcher
 SSH_TIMEOUT_S = 15
+# what DeepSpeed's runner looks for on PATH before it starts a backend (its backend_exists); missing,
+# it raised a traceback (`launcher 'pdsh' not installed.`) after the data was prepared
+BACKEND_TOOLS = {"pdsh": "pdsh", "openmpi": "ompi_info", "mpich": "mpirun", "impi": "mpirun", "mvapich": "mpiname",
+                 "slurm": "sinfo"}
 _SAFE = re.compile(r"[\w@%+=:,./-]*")  # what DeepSpeed's runner exports without wrapping it in double quotes
 
 
@@ -252,6 +257,16 @@ def torchrun_command(config: str, overrides: list[str], *, num_nodes: int = 1, n
            f"--node-rank={node_rank or 0}", f"--master-addr={master_addr or '127.0.0.1'}",
            f"--master-port={master_port}"]
     return cmd + ["-m", "mode.train", "--config", config, *overrides]
+
+
+def check_tools(hostfile: str, n_nodes: int, backend: str) -> None:
+    """The programs a multi-node launch from this node runs, on PATH here: the backend's (pdsh, mpirun,
+    ...) and ssh (our reachability check and stop_nodes; DeepSpeed's runner ssh's to the first host)."""
+    for prog in (BACKEND_TOOLS[backend], "ssh"):
+        if shutil.which(prog) is None:
+            raise _err("--hostfile", hostfile, f"a launch on its {n_nodes} nodes from this node (DeepSpeed's {backend} "
+                       f"runner) needs `{prog}` on PATH, and this node has none: install it, or run the command on "
+                       "every node with --no_ssh --node_rank R --master_addr <node 0>")
 
 
 def ssh_options(ssh_port: int | None, timeout: float = SSH_TIMEOUT_S) -> list[str]:
@@ -459,6 +474,8 @@ def main(argv=None) -> int:
                 if not re.fullmatch(r"[\w@+=:,./-]+", path):
                     raise _err(what, path, "a path without spaces or shell-special characters for a pdsh launch "
                                "(DeepSpeed passes it unquoted to every node's shell): launch from another directory")
+        if multinode and not a.dry_run and not a.validate_only:  # before anything is prepared or started
+            check_tools(a.hostfile, len(nodes), backend or "pdsh")
         # the user's env files count only where DeepSpeed would read them: a multi-node launch
         env = pass_env(a.env, max((n for _, n in nodes), default=max(1, a.num_gpus)), user_env() if multinode else {})
         ssh = pdsh and not a.dry_run and not a.validate_only

@@ -426,6 +426,39 @@ def test_a_pdsh_launch_from_a_directory_with_a_space_is_refused(tmp_path, monkey
                    "launch from another directory"), err
 
 
+def test_a_multinode_launch_without_pdsh_or_ssh_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """Bug caught (cluster review): with no `pdsh` on PATH a two-host launch prepared the data, then
+    DeepSpeed's runner raised `RuntimeError: launcher 'pdsh' not installed.` (a traceback, exit 1);
+    with no `ssh`, `error: FileNotFoundError`. Refused in one line, exit 2, nothing written or prepared."""
+    import launch.run as lr
+
+    monkeypatch.chdir(ROOT)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("mode-node0 slots=1\nmode-node1 slots=1\n")
+    args = ["--hostfile", str(hostfile), "--config", "configs/tiny/dense.yaml", f"run.dir={tmp_path / 'run'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}"]
+    for have, missing in (("ssh", "pdsh"), ("pdsh", "ssh")):
+        bin_dir = tmp_path / f"bin_{have}"
+        bin_dir.mkdir()
+        (bin_dir / have).write_text("#!/bin/sh\nexit 0\n")  # answers every host
+        (bin_dir / have).chmod(0o755)
+        monkeypatch.setenv("PATH", str(bin_dir))
+        assert lr.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"config error: --hostfile={str(hostfile)!r}: a launch on its 2 nodes from this node "
+                       f"(DeepSpeed's pdsh runner) needs `{missing}` on PATH, and this node has none: install it, "
+                       "or run the command on every node with --no_ssh --node_rank R --master_addr <node 0>"), err
+        assert not (tmp_path / "run").exists() and not (tmp_path / "prepared").exists()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin_ssh"))
+    assert lr.main(["--launcher", "openmpi", *args]) == 2  # another backend: the program DeepSpeed looks for
+    assert "(DeepSpeed's openmpi runner) needs `ompi_info` on PATH" in capsys.readouterr().err
+    # one node, --no_ssh and --dry-run run neither
+    assert lr.main(["--num_nodes", "1", "--dry-run", *args]) == 0
+    assert lr.main(["--no_ssh", "--node_rank", "1", "--dry-run", *args]) == 0
+    assert lr.main(["--dry-run", *args]) == 0
+    assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulated multi-node runs of an expert-parallel model.
 
