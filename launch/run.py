@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import re
 import shlex
@@ -116,6 +117,21 @@ def plan_nodes(hostfile: str | None, num_nodes: int, num_gpus: int) -> list[tupl
     if num_gpus > 0:
         hosts = [(h, num_gpus) for h, _ in hosts]
     return hosts
+
+
+def is_loopback(host: str) -> bool:
+    """A name or address that means "this machine" wherever it is read: localhost, 127.x, ::1. As the
+    master address of several nodes every node would wait for its own rank 0. (Only what is written:
+    a hostname that merely resolves to a loopback address here, as /etc/hosts names one machine's
+    simulated nodes, is the user's to vouch for.)"""
+    h = host.strip("[]").lower().rstrip(".")
+    if h in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback") or h.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
 def world_size(launcher: str, hostfile: str | None, num_nodes: int, num_gpus: int) -> int:
@@ -466,6 +482,11 @@ def main(argv=None) -> int:
         n_nodes = max(1, a.num_nodes) if a.launcher == "torchrun" else len(nodes)
         if a.node_rank is not None and not 0 <= a.node_rank < n_nodes:
             raise _err("--node_rank", a.node_rank, f"this node's rank, 0 <= R < {n_nodes} (the number of nodes)")
+        if a.launcher != "torchrun" and a.hostfile and len(nodes) > 1 and not a.master_addr \
+                and not a.validate_only and is_loopback(nodes[0][0]):  # (slurm.sbatch validates without one)
+            raise _err("--hostfile", a.hostfile, f"a first host (node 0: the master address of the {len(nodes)} "
+                       f"nodes) the other nodes can reach; {nodes[0][0]} is each node's own loopback: list node 0 "
+                       "by a name the other nodes resolve to it, or pass --master_addr <node 0's address>")
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         pdsh = multinode and backend in (None, "pdsh")  # over ssh, through pdsh and the remote shell
         if pdsh:  # DeepSpeed's pdsh runner sends `cd <cwd>; <python> ...` unquoted: with a space, the

@@ -459,6 +459,39 @@ def test_a_multinode_launch_without_pdsh_or_ssh_is_refused_before_anything_start
     assert not (tmp_path / "run").exists()
 
 
+def test_a_loopback_first_host_of_several_nodes_is_refused_without_master_addr(tmp_path, monkeypatch, capsys):
+    """Bug caught (cluster review): a hostfile of several nodes whose first line was `localhost` (or
+    127.0.0.1, ::1) made that the master address every node was sent to: each node's ranks waited for
+    a rank 0 on their own loopback until the rendezvous timeout. Refused in one line unless
+    --master_addr says where node 0 is; one node of such a file, and names that merely resolve to a
+    loopback address here (the local cluster's mode-node0/mode-node1), still launch."""
+    import launch.run as lr
+
+    monkeypatch.chdir(ROOT)
+    hostfile = tmp_path / "hostfile"
+    common = ["--hostfile", str(hostfile), "--dry-run", "--config", "configs/tiny/dense.yaml",
+              f"run.dir={tmp_path / 'run'}"]
+    for first in ("localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "LocalHost", "::ffff:127.0.0.1"):
+        hostfile.write_text(f"{first} slots=1\nnode1 slots=1\n")
+        for extra in ([], ["--no_ssh", "--node_rank", "1"], ["--launcher", "openmpi"]):
+            assert lr.main([*extra, *common]) == 2, (first, extra)
+            err = capsys.readouterr().err.strip()
+            assert err == (f"config error: --hostfile={str(hostfile)!r}: a first host (node 0: the master address of "
+                           f"the 2 nodes) the other nodes can reach; {first} is each node's own loopback: list node 0 "
+                           "by a name the other nodes resolve to it, or pass --master_addr <node 0's address>"), err
+        assert lr.main(["--master_addr", "10.0.0.1", *common]) == 0
+        assert "--master_addr 10.0.0.1 " in capsys.readouterr().out
+        assert lr.main(["--num_nodes", "1", *common]) == 0  # one node: its ranks run here, 127.0.0.1
+        assert "--master_addr 127.0.0.1 " in capsys.readouterr().out
+    for ok in ("mode-node0", "node1", "10.0.0.1", "localhost-gpu01"):
+        hostfile.write_text(f"{ok} slots=1\nnode2 slots=1\n")
+        assert lr.main(common) == 0, ok
+        assert f"--master_addr {ok} " in capsys.readouterr().out
+    hostfile.write_text("localhost slots=2\n")
+    assert lr.main(common) == 0
+    assert lr.is_loopback("localhost.") and not lr.is_loopback("10.1.1.1")
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulated multi-node runs of an expert-parallel model.
 
