@@ -23,7 +23,7 @@ import yaml
 from mode import engine as eng
 from mode import checkpoint as ckpt
 from mode import console, rundir
-from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, load_config, typed_dict
+from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, is_int, load_config, typed_dict
 from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
 from mode.prepare import data_change, data_identity
@@ -203,9 +203,20 @@ def requeued_fresh_start(cfg: Config, env=None) -> bool:
         return False
 
 
-def finished(cfg: Config) -> str | None:
+def saved_world(run_dir: Path) -> int | None:
+    """The world size run_info.json records (None: none readable; check_world reports a damaged one)."""
+    try:
+        saved = json.loads((Path(run_dir) / "run_info.json").read_text()).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return saved if is_int(saved, 1) else None
+
+
+def finished(cfg: Config, world: int | None = None) -> str | None:
     """A message when run.dir holds this run already finished (DONE at train.max_steps) or already
-    at its train.stop_at (the same time-boxed command run again), else None: nothing to do."""
+    at its train.stop_at (the same time-boxed command run again), else None: nothing to do. `world`:
+    this launch's world size; when the run was saved at another one, the command that continues it
+    is named with the saved one (at this one it would be refused: check_world)."""
     run_dir = Path(cfg.run.dir)
     step = ckpt.latest_step(run_dir)
     if cfg.run.fresh or step is None:
@@ -213,12 +224,16 @@ def finished(cfg: Config) -> str | None:
     done, stop = (run_dir / "DONE").exists() and step >= cfg.train.max_steps, cfg.train.stop_at
     if (done or 0 < stop <= step) and ckpt.verify(ckpt.latest(ckpt.checkpoints_dir(run_dir))) is not None:
         return None  # a damaged last checkpoint is not a finished run: the start reports it and falls back
+    saved = saved_world(run_dir)
+    where = (f", launched with {saved} process(es) (it was saved at world size {saved}; this launch's {world} "
+             "would be refused)") if world is not None and saved is not None and saved != world else ""
     if done:
         return (f"run.dir={str(run_dir)!r} already finished at step {step} (DONE): nothing to do, nothing written; "
-                "run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues")
+                f"run.fresh=true starts over, a larger train.max_steps with train.allow_schedule_change=true continues"
+                f"{where}")
     if 0 < stop <= step:
         return (f"run.dir={str(run_dir)!r} is already at step {step} (train.stop_at={stop}): nothing to do, nothing "
-                "written; the same command with train.stop_at=0 (or a later step) continues it")
+                f"written; the same command with train.stop_at=0 (or a later step) continues it{where}")
     return None
 
 
@@ -663,7 +678,7 @@ def _main(argv) -> int:
         if a.print_config:
             print(dump_config(cfg), end="")
             return 0
-        msg = finished(cfg)
+        msg = finished(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         if msg:
             if int(os.environ.get("RANK", 0)) == 0:
                 print(msg, flush=True)

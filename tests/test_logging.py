@@ -597,6 +597,51 @@ def test_rerunning_a_run_already_at_its_stop_at_writes_nothing(tmp_path, stopped
         assert snapshot(run) == before
 
 
+def test_the_finished_runs_hint_names_the_saved_world_size(tmp_path):
+    """Bug caught (cluster review): a run saved at world size 2, started again at its train.stop_at
+    (or after DONE) with 1 process, said "the same command with train.stop_at=0 ... continues it";
+    that command, at world size 1, is refused (check_world). The hint names the saved world size."""
+    from mode import checkpoint as ckpt
+    from mode.config import load_config
+    from mode.train import finished
+
+    run = tmp_path / "run"
+    step = ckpt.step_dir(ckpt.checkpoints_dir(run), 2)
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"weights")
+    ckpt.write_manifest(step, 2)
+    (run / "run_info.json").write_text(json.dumps({"world_size": 2}))
+    cfg = load_config(CFG, [*TINY, *STEPS, f"run.dir={run}", "train.stop_at=2"])
+    same = finished(cfg, 2)
+    assert same.endswith("the same command with train.stop_at=0 (or a later step) continues it"), same
+    assert finished(cfg) == same  # world unknown: as before
+    other = finished(cfg, 1)
+    assert other == same + (", launched with 2 process(es) (it was saved at world size 2; this launch's 1 "
+                            "would be refused)"), other
+    cfg.train.stop_at, cfg.train.max_steps = 0, 2
+    (run / "DONE").write_text("{}")
+    done = finished(cfg, 4)
+    assert "already finished at step 2 (DONE)" in done and done.endswith(
+        "allow_schedule_change=true continues, launched with 2 process(es) (it was saved at world size 2; "
+        "this launch's 4 would be refused)"), done
+    assert finished(cfg, 2).endswith("allow_schedule_change=true continues")
+    (run / "run_info.json").write_text("[]")  # unreadable record: no claim about the world size
+    assert finished(cfg, 4) == finished(cfg, 2)
+
+
+@pytest.mark.slow
+def test_a_stopped_run_started_at_another_world_size_names_the_one_that_continues_it(tmp_path, stopped_at_2):
+    """The start (as each rank of a launch at world size 2 runs it) prints the hint with the saved world size."""
+    run = copy_run(stopped_at_2[0], tmp_path / "run")
+    args = ["train", "--config", CFG, *TINY, *STEPS, f"run.dir={run}"]
+    r = mode_cli(*args, "train.stop_at=2", extra_env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert r.stdout.strip().endswith("the same command with train.stop_at=0 (or a later step) continues it, launched "
+                                      "with 1 process(es) (it was saved at world size 1; this launch's 2 would be "
+                                      "refused)"), r.stdout
+    r = mode_cli(*args, "train.stop_at=0", extra_env={"WORLD_SIZE": "2", "RANK": "0"}, check=False)
+    assert r.returncode == 2 and "was saved at world size 1 and this launch has world size 2" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_an_analyzed_run_resumes_to_the_end(tmp_path, stopped_at_2):
     """Bug caught: `mode analyze RUN_DIR` wrote RUN_DIR/report, and resuming the run was then
