@@ -518,7 +518,9 @@ def main(argv=None) -> int:
     else:
         master = a.master_addr
         # one node of a hostfile: DeepSpeed starts its ranks here, yet without an address it ssh'd to the
-        # first host (a traceback where there is no ssh) for its ssh check and `hostname -I`
+        # first host (a traceback where there is no ssh) for its ssh check and `hostname -I`. pdsh: check_ssh
+        # asked every host as pdsh reaches them; DeepSpeed's own check of the first host leaves out
+        # PDSH_SSH_ARGS_APPEND (`-i key`, `-l user`): a traceback for a launch pdsh would have run
         one_node = bool(a.hostfile) and len(nodes) < 2
         if master is None and a.hostfile:  # node 0, not DeepSpeed's `hostname -I` guess (asked over ssh)
             master = "127.0.0.1" if one_node else nodes[0][0]
@@ -528,7 +530,7 @@ def main(argv=None) -> int:
         cmd = deepspeed_command(args[0], args[1:], hostfile=a.hostfile, num_nodes=a.num_nodes,
                                 num_gpus=a.num_gpus, node_rank=a.node_rank, no_ssh=a.no_ssh, master_addr=master,
                                 master_port=a.master_port, backend=backend, ssh_port=a.ssh_port,
-                                launcher_args=a.launcher_args, ssh_check=not one_node)
+                                launcher_args=a.launcher_args, ssh_check=not one_node and not pdsh)
     if a.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " \\\n  " + shlex.join(cmd))
         return 0

@@ -492,6 +492,33 @@ def test_a_loopback_first_host_of_several_nodes_is_refused_without_master_addr(t
     assert lr.is_loopback("localhost.") and not lr.is_loopback("10.1.1.1")
 
 
+@pytest.mark.slow  # a real launch of DeepSpeed's runner (against stand-ins for ssh and pdsh)
+def test_a_pdsh_launch_reaches_the_hosts_with_pdsh_ssh_args_append_only(tmp_path):
+    """Bug caught (cluster review): the hosts answered ssh with PDSH_SSH_ARGS_APPEND (`-i key`, as pdsh
+    reaches them; the README's check), then DeepSpeed's runner ran its own check of the first host,
+    `ssh -o PasswordAuthentication=no host hostname`, without it: `RuntimeError: ... was not
+    reachable via ssh`, a traceback for a launch pdsh would have run. The wrapper's check stands."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "ssh").write_text(f'#!/bin/sh\necho "ssh $*" >> {calls}\ncase " $* " in *" -i /k "*) exit 0;; esac\n'
+                                 'echo "Permission denied (publickey)." >&2\nexit 255\n')
+    (bin_dir / "pdsh").write_text(f'#!/bin/sh\necho "pdsh $*" >> {calls}\nexit 0\n')  # starts nothing
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("mode-node0 slots=1\nmode-node1 slots=1\n")
+    r = subprocess.run([PY, "-m", "launch.run", "--hostfile", str(hostfile), "--config", "configs/tiny/dense.yaml",
+                        f"run.dir={tmp_path / 'run'}", f"data.prepared_dir={tmp_path / 'prepared'}"], cwd=ROOT,
+                       env=dict(env(1), PATH=f"{bin_dir}:{os.environ['PATH']}", PDSH_SSH_ARGS_APPEND="-i /k"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = calls.read_text().splitlines()
+    assert sorted(ln for ln in lines if ln.startswith("ssh")) == [
+        f"ssh -o BatchMode=yes -o ConnectTimeout=15 -i /k {h} true" for h in ("mode-node0", "mode-node1")], lines
+    assert any(ln.startswith("pdsh -S -f 1024 -w mode-node0,mode-node1 ") for ln in lines), lines
+
+
 # ----------------------------------------------------------------------------------------------
 # Simulated multi-node runs of an expert-parallel model.
 
