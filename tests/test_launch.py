@@ -362,6 +362,41 @@ def test_slurm_template_steps_keep_the_jobs_environment_under_export_none(tmp_pa
         assert ("MASTER_PORT=31555 from the submitting shell is ignored" in r.stderr) == (given == {"MASTER_PORT": "31555"})
 
 
+@pytest.mark.slow  # starts bash
+def test_slurm_template_refuses_an_interface_name_as_master_address(tmp_path):
+    """Bug caught (cluster review): the README offered MODE_MASTER_ADDR as "an IP or interface name of
+    a node", but MODE_MASTER_ADDR=ib0 became every rank's MASTER_ADDR, and torch's store cannot
+    connect to an interface name (`timed out ... trying to connect to (lo, port)`, measured with lo):
+    a job that waited out its rendezvous. Refused in one line, exit 2, before anything starts."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "args"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $2 == hostnames ]] && printf "n0\\nn1\\n"\nexit 0\n')
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n')
+    (bin_dir / "py").write_text(f'#!/usr/bin/env bash\nfor a in "$@"; do [[ $a == --validate-only ]] && '
+                                f'{{ echo {tmp_path / "run"}; exit 0; }}; done\nprintf "%s\\n" "$@" > {out}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    iface = next(p.name for p in sorted(Path("/sys/class/net").iterdir()))  # lo, eth0, ...: this node's
+    e = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(bin_dir / "py"),
+         "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1",
+         "SLURM_CPUS_ON_NODE": "2"}
+    for given, rc in ((iface, 2), ("10.0.0.7", 0), ("n1", 0), (".", 0)):
+        out.unlink(missing_ok=True)
+        r = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config", "c.yaml"],
+                           env={**e, "MODE_MASTER_ADDR": given}, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == rc, (given, r.stderr)
+        if rc:
+            assert r.stderr.strip().splitlines() == [
+                f"config error: MODE_MASTER_ADDR={iface}: an IP of a node of the job or a name every node resolves to "
+                f"one, not a network interface name (the ranks cannot connect to it): use its address (ip -4 addr "
+                f"show dev {iface}); NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME choose the interface"], r.stderr
+            assert not out.exists() and not (tmp_path / "run").exists()
+        else:
+            args = out.read_text().splitlines()
+            assert args[args.index("--master_addr") + 1] == given, args
+
+
 def test_environment_reaches_every_node_through_deepspeed_env(tmp_path, monkeypatch):
     """For ssh (pdsh) launches DeepSpeed exports each KEY=VALUE line of $DS_ENV_FILE on every node."""
     import launch.run as lr
