@@ -525,6 +525,9 @@ def test_a_loopback_first_host_of_several_nodes_is_refused_without_master_addr(t
     hostfile.write_text("localhost slots=2\n")
     assert lr.main(common) == 0
     assert lr.is_loopback("localhost.") and not lr.is_loopback("10.1.1.1")
+    # --validate-only names no master (slurm.sbatch validates its node list so, then passes --master_addr)
+    hostfile.write_text("localhost slots=1\nnode1 slots=1\n")
+    assert lr.main(["--validate-only", *[a for a in common if a != "--dry-run"]]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.slow  # a real launch of DeepSpeed's runner (against stand-ins for ssh and pdsh)
