@@ -515,7 +515,7 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
     `prepare_data=False` (--dry-run): the same data checks, nothing prepared or written. `extra`:
     the command-line overrides, for the match_flops variants that --only leaves out."""
     from mode.config import load_config
-    from mode.train import preflight
+    from mode.train import check_world, finished, preflight
 
     world = world_size(exp)
     # Every run is checked before any data is prepared (a later variant's bad value must not wait
@@ -527,6 +527,8 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
                     r.cfg = load_config(r.config, r.overrides, world_size=world)
                 # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
                 preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare)
+                if not prepare and finished(r.cfg) is None:  # as launch.run: else each run is refused at its start
+                    check_world(r.cfg, world)
             except ConfigError as e:
                 # a grid's runs live under runs_dir, so the way out of a run.dir clash is another --runs-dir
                 text = str(e).removeprefix("config error: ").replace("another run.dir", "another --runs-dir")

@@ -442,6 +442,42 @@ def test_export_and_eval_out_refuse_a_grids_runs_dir(tmp_path, capsys):
     assert cli_main(["export", "--run", str(run), "--out", str(tmp_path / "my_export")]) == 0  # beside the grid
 
 
+def test_a_run_saved_at_another_world_size_is_refused_before_the_grid_starts(tmp_path, capsys):
+    """Bug caught (cluster review): a grid run saved at world size 2, its grid now at 1 (nproc or
+    num_gpus changed), passed validation (`--dry-run`: "resuming from step 2/6"), then its launch was
+    refused at start, after compare had taken the lock and written its plan; with slurm, a FAILED job.
+    Refused with the other runs' checks: one line naming the variant, nothing written."""
+    from mode import checkpoint as ckpt
+    from mode import compare
+    from mode.config import dump_config, load_config
+
+    exp = experiment(tmp_path)
+    ex = compare.load_experiment(str(exp), None)
+    [r] = compare.expand(ex, only=["dense"])
+    r.cfg = load_config(r.config, r.overrides)
+    r.dir.mkdir(parents=True)
+    (r.dir / "config.yaml").write_text(dump_config(r.cfg))
+    step = ckpt.step_dir(ckpt.checkpoints_dir(r.dir), STEPS)
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"weights")
+    ckpt.write_manifest(step, STEPS)
+    (r.dir / "run_info.json").write_text(json.dumps({"world_size": 2}))
+    before = tree(tmp_path / "runs")
+    assert compare.main([str(exp), "--only", "dense", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"config error: variant dense (seed 0, {r.config}): run.dir={str(r.dir)!r} was saved at world "
+                   "size 2 and this launch has world size 1: resume it with 2 process(es), or start over with "
+                   "run.fresh=true or another --runs-dir"], err
+    assert tree(tmp_path / "runs") == before
+    (r.dir / "DONE").write_text("{}")  # finished: a no-op at any world size (as for launch.run)
+    assert compare.main([str(exp), "--only", "dense", "--dry-run"]) == 0
+    assert "(0 to run)" in capsys.readouterr().err
+    (r.dir / "DONE").unlink()
+    (r.dir / "run_info.json").write_text(json.dumps({"world_size": 1}))
+    assert compare.main([str(exp), "--only", "dense", "--dry-run"]) == 0
+    assert f"dense_seed0: resuming from step {STEPS}/{STEPS}" in capsys.readouterr().err
+
+
 def test_a_run_stopped_on_non_finite_values_is_not_called_resumable_as_is(tmp_path):
     """Bug caught: a grid run that stopped on a non-finite loss (mode.train's exit 3) was followed by
     "invoke the same command again to resume it", which replays the same steps into the same stop.
