@@ -457,7 +457,13 @@ def default_out_name(tasks: list[str], routing: str, limit: float | None = None)
         import hashlib
 
         joined = f"{tasks[0][:60]}+{len(tasks) - 1}more-{hashlib.sha256(joined.encode()).hexdigest()[:10]}"
-    return f"results_{joined}_{routing}" + ("" if limit is None else f"_limit{limit:g}") + ".json"
+    return f"results_{joined}_{routing}" + ("" if limit is None else f"_limit{limit_name(limit)}") + ".json"
+
+
+def limit_name(limit: float) -> str:
+    """--limit in a results name, exactly: a count in full, a fraction by its shortest repr (`:g` kept
+    6 digits, so --limit 1234567 and 1234568 wrote one file, the second replacing the first)."""
+    return str(int(limit)) if limit >= 1 else repr(float(limit))
 
 
 def format_table(res: dict) -> str:

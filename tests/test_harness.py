@@ -551,6 +551,19 @@ def test_a_limited_evaluation_never_replaces_the_full_one(tmp_path, capsys, stub
         "results_t1_causal.json", "results_t1_causal_limit0.25.json", "results_t1_causal_limit5.json"]
 
 
+@pytest.mark.parametrize("a,b", [(1234567, 1234568), (0.1234561, 0.1234564), (10**7, 10**7 + 1)])
+def test_limits_that_differ_never_share_a_results_file(a, b):
+    """Bug caught (README walkthrough): `_limit{limit:g}` kept 6 significant digits, so --limit 1234567
+    and --limit 1234568 (or two fractions alike to 6 digits) named one file and the second run
+    replaced the first's results."""
+    from mode.harness import default_out_name
+
+    names = {default_out_name(["t1"], "causal", float(x)) for x in (a, b)}
+    assert len(names) == 2 and default_out_name(["t1"], "causal", 1234567.0).endswith("_limit1234567.json")
+    assert default_out_name(["t1"], "causal", 5.0).endswith("_limit5.json")  # names the earlier rule gave stay
+    assert default_out_name(["t1"], "causal", 0.25).endswith("_limit0.25.json")
+
+
 def test_eval_checks_that_the_out_location_is_writable_before_evaluating(tmp_path, capsys, stub_harness):
     """Bug caught: the output location was only written after the whole evaluation, so an unwritable
     --out lost the results (PermissionError at the end). Then os.access checked it, which says yes to
