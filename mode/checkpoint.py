@@ -173,7 +173,8 @@ def _verify(d: Path) -> str | None:
             return f"{name} is missing"
         size = p.stat().st_size
         if size != meta["bytes"]:
-            return f"{name} is {size} bytes, {meta['bytes']} when saved ({'emptied' if size == 0 else 'truncated'})"
+            how = "emptied" if size == 0 else "truncated" if size < meta["bytes"] else "grown: written to since"
+            return f"{name} is {size} bytes, {meta['bytes']} when saved ({how})"
         if _sha256(p) != meta["sha256"]:
             return f"{name} is damaged (its SHA-256 differs from the manifest)"
     return None

@@ -528,6 +528,8 @@ def _damage(d: Path, how: str) -> None:
         f.write_bytes(bytes(data[: len(data) // 3]))
     elif how == "emptied":
         f.write_bytes(b"")
+    elif how == "grown":  # bytes appended: was named "truncated"
+        f.write_bytes(bytes(data) + b"garbage")
     elif how == "file-less":
         for p in d.iterdir():
             p.unlink()
@@ -537,7 +539,8 @@ def _damage(d: Path, how: str) -> None:
         (d / "MANIFEST.json").unlink()
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "emptied", "file-less", "file missing", "no manifest"])
+@pytest.mark.parametrize("how", ["flipped", "truncated", "emptied", "grown", "file-less", "file missing",
+                                 "no manifest"])
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, how):
     from mode import checkpoint as ckpt
 
@@ -548,7 +551,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(tmp_path, h
     assert ckpt.verify(bad) is None
     _damage(bad, how)
     lines = []
-    cause = {"flipped": "damaged", "truncated": "truncated", "emptied": "emptied", "file-less": "empty directory",
+    cause = {"flipped": "damaged", "truncated": "truncated", "emptied": "emptied", "grown": "grown",
+             "file-less": "empty directory",
              "file missing": "is missing", "no manifest": "no manifest"}[how]
     assert cause in (ckpt.verify(bad) or ""), ckpt.verify(bad)  # the line names what is wrong
     assert ckpt.newest_verified(root, log=lines.append) == good
