@@ -47,7 +47,8 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
         cfg.data.tokenizer, cfg.data.eos_token = TOKENIZER_DIR, tok.identity["eos_token"]
     # missing parents are made for the export and removed again if it fails
     with parents_made(out.absolute().parent, key="--out", value=str(out)):
-        tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+        # the name cut to 200 bytes: a legal --out of up to 255 made a temporary name over the limit
+        tmp = out.parent / f".{out.name.encode()[:200].decode(errors='ignore')}.export-tmp-{os.getpid()}"
         tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
         try:
             save_weights(model, tmp / WEIGHTS)

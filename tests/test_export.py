@@ -109,6 +109,16 @@ def test_export_creates_missing_parent_directories(tmp_path):
         assert torch.equal(model(ids).logits, load_run(out)[0](ids).logits)
 
 
+def test_export_to_a_name_of_up_to_255_bytes(tmp_path):
+    """Bug caught (README walkthrough): the temporary directory `.<name>.export-tmp-<pid>` was over the
+    filesystem's 255-byte limit for a legal --out name of 240 bytes, so the export failed."""
+    _, run = fake_run(tmp_path, "mod")
+    out = tmp_path / ("a" + "é" * 120)  # 241 bytes; 200 of them end inside an é
+    assert cli_main(["export", "--run", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, run.name])  # no temporary left
+
+
 def test_export_of_a_run_whose_data_moved_records_the_runs_data_source(tmp_path):
     """Bug caught: sampling stands stdlib in for a training source that has moved, and the export
     wrote that stand-in as the run's data source (`source: stdlib`)."""
