@@ -49,7 +49,13 @@ def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     with parents_made(out.absolute().parent, key="--out", value=str(out)):
         # the name cut to 200 bytes: a legal --out of up to 255 made a temporary name over the limit
         tmp = out.parent / f".{out.name.encode()[:200].decode(errors='ignore')}.export-tmp-{os.getpid()}"
-        tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
+        try:
+            tmp.mkdir()  # ours alone (pid-named, fresh): the only directory this function deletes on failure
+        except FileExistsError:
+            raise
+        except OSError as e:  # /proc, a read-only mount (root passes os.access there): what parents_made says
+            raise ConfigError("--out", str(out), f"a place where a directory can be made ({out.parent}: "
+                              f"{e.strerror})") from None
         try:
             save_weights(model, tmp / WEIGHTS)
             if tok_files:  # config.yaml names TOKENIZER_DIR, relative to the export dir; load_run resolves it

@@ -119,6 +119,18 @@ def test_export_to_a_name_of_up_to_255_bytes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, run.name])  # no temporary left
 
 
+def test_export_where_no_directory_can_be_made_is_one_config_error(tmp_path, capsys):
+    """Bug caught (README walkthrough): `--out /proc/x` (root may write there by os.access, yet no
+    directory can be made) was `error: FileNotFoundError: ... '/proc/.x.export-tmp-<pid>'`, exit 1,
+    naming a temporary directory instead of --out."""
+    _, run = fake_run(tmp_path, "mod")
+    capsys.readouterr()
+    assert cli_main(["export", "--run", str(run), "--out", "/proc/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "config error: --out='/proc/x': a place where a directory can be made (/proc: No such file or " \
+                  "directory)", err
+
+
 def test_export_of_a_run_whose_data_moved_records_the_runs_data_source(tmp_path):
     """Bug caught: sampling stands stdlib in for a training source that has moved, and the export
     wrote that stand-in as the run's data source (`source: stdlib`)."""
