@@ -108,6 +108,10 @@ def _generate(argv) -> int:
     check_sampling([("--max-new-tokens", "max_new_tokens", a.max_new_tokens),
                     ("--temperature", "temperature", a.temperature), ("--top-k", "top_k", a.top_k),
                     ("--top-p", "top_p", a.top_p), ("--stop", "stop", a.stop), ("--seed", "seed", a.seed)])
+    for key, values in (("--prompt", a.prompt), ("--stop", a.stop)):
+        for v in values:  # bytes the shell passed that are not UTF-8 (a Latin-1 terminal): lone surrogates here
+            if not v.isascii() and any("\udc80" <= ch <= "\udcff" for ch in v):
+                raise ConfigError(key, v, "UTF-8 text (the shell passed bytes that are not UTF-8)")
     prompts = list(a.prompt)
     if a.prompt_file:
         f = Path(a.prompt_file)

@@ -535,6 +535,10 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     (["--run", "{run}", "--prompt", "a", "--seed", str(2**64)], "--seed=18446744073709551616: an integer in"),
     (["--run", "{run}", "--prompt-file", "{run}/latin1.txt"],
      "latin1.txt': a UTF-8 text file, one prompt per line (byte 3 is not UTF-8)"),
+    # bug caught (README walkthrough): Latin-1 bytes in argv (os.fsdecode: lone surrogates) were
+    # `error: UnicodeEncodeError`, exit 1, for --prompt, and a --stop string that could never match
+    (["--run", "{run}", "--prompt", "caf\udce9"], "--prompt='caf\\udce9': UTF-8 text"),
+    (["--run", "{run}", "--prompt", "a", "--stop", "\udce9"], "--stop='\\udce9': UTF-8 text"),
 ])
 def test_cli_errors_are_one_line_exit_2(run_dir, capsys, args, needle):
     d, _ = run_dir
