@@ -227,8 +227,11 @@ def _define_lm_class():
         generation requests; request i draws with seed N + i)."""
 
         def __init__(self, run: str | None = None, routing: str = "causal", batch_size=1, device=None,
-                     model=None, tokenizer=None, seed=0, **_ignored):
+                     model=None, tokenizer=None, seed=0, max_batch_size=None, **unknown):
             super().__init__()
+            if unknown:  # a misspelt key (`rouitng=topk`) was ignored: scored with the defaults, silently
+                raise ConfigError("model_args", ",".join(f"{k}={v}" for k, v in unknown.items()),
+                                  "keys of run, routing, batch_size, device, seed (lm-eval's max_batch_size: unused)")
             if model is None:
                 from mode.generate import load_run
 

@@ -120,6 +120,19 @@ def test_loglikelihood_equals_direct_computation(preset):
     assert abs(ll - logprobs_ref(model, [TOK.eos_id, 97, 98, 99], [100], routing="topk")[0][0]) <= 1e-4
 
 
+def test_an_unknown_model_arg_is_one_config_error():
+    """Bug caught (README walkthrough): ModeLM took **kwargs, so model_args="run=R,rouitng=topk" scored
+    under causal routing without a word; lm-eval's own extra, max_batch_size, is still accepted."""
+    from mode.config import ConfigError
+
+    model, _ = tiny_model("mod")
+    with pytest.raises(ConfigError, match=r"^config error: model_args='rouitng=topk': keys of run, routing"):
+        get_model("mode").create_from_arg_string("rouitng=topk", {"model": model, "tokenizer": TOK})
+    lm = get_model("mode").create_from_arg_string("routing=topk", {"model": model, "tokenizer": TOK, "batch_size": 2,
+                                                                   "max_batch_size": 4, "device": "cpu"})
+    assert lm.scorer.routing == "topk"
+
+
 def test_mode_is_registered_with_lm_eval():
     assert get_model("mode") is ModeLM
 
