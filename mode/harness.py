@@ -514,6 +514,8 @@ def main(argv=None) -> int:
                           "fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
+    if a.out and a.out.endswith(("/", os.sep)):  # Path() drops the slash: `--out results/` wrote a file `results`
+        raise ConfigError("--out", a.out, "a file path, not a directory (it ends in /)")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing, a.limit)
     own_eval = out.parent.resolve() == (Path(a.run) / "eval").resolve() and Path(a.run).is_dir()  # made if missing
     if a.out and not own_eval and not out.parent.is_dir():

@@ -513,6 +513,15 @@ def test_an_explicit_out_in_the_runs_own_eval_folder_is_made(tmp_path, capsys, s
                              str(tmp_path / "run" / "other" / "x.json")], "does not exist)")
 
 
+def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, capsys, stub_harness):
+    """Bug caught (README walkthrough): `--out results/` (a new directory, as typed) wrote the results
+    as a file named `results`: pathlib drops the trailing slash."""
+    (tmp_path / "run").mkdir()
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out",
+                             f"{tmp_path / 'results'}/"], "a file path, not a directory (it ends in /)")
+    assert not (tmp_path / "results").exists() and stub_harness == []
+
+
 def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stub_harness):
     """Bug caught: `mode eval ... --out notes.txt` silently replaced an existing file (unlike `mode
     export`, which refuses). An existing --out is now replaced only when it is a results file mode
