@@ -833,6 +833,9 @@ def main(argv: list[str] | None = None) -> int:
         print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
                                                      "directory)"), file=sys.stderr)
         return 2
+    if args.out is not None and not args.out.strip():  # was taken as no --out: the report went to the default
+        print(ConfigError("--out", args.out, "a non-empty path (an unset shell variable?)"), file=sys.stderr)
+        return 2
     out = Path(args.out).expanduser() if args.out else None
     try:
         if out is not None:

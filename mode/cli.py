@@ -112,6 +112,8 @@ def _generate(argv) -> int:
         for v in values:  # bytes the shell passed that are not UTF-8 (a Latin-1 terminal): lone surrogates here
             if not v.isascii() and any("\udc80" <= ch <= "\udcff" for ch in v):
                 raise ConfigError(key, v, "UTF-8 text (the shell passed bytes that are not UTF-8)")
+    if a.prompt_file is not None and not a.prompt_file.strip():  # was skipped: the --prompts ran without its file
+        raise ConfigError("--prompt-file", a.prompt_file, "a non-empty path (an unset shell variable?)")
     prompts = list(a.prompt)
     if a.prompt_file:
         f = Path(a.prompt_file)

@@ -514,6 +514,8 @@ def main(argv=None) -> int:
                           "fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
+    if a.out is not None and not a.out.strip():  # was taken as no --out: the results went to the default file
+        raise ConfigError("--out", a.out, "a non-empty path (an unset shell variable?)")
     if a.out and a.out.endswith(("/", os.sep)):  # Path() drops the slash: `--out results/` wrote a file `results`
         raise ConfigError("--out", a.out, "a file path, not a directory (it ends in /)")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing, a.limit)

@@ -520,6 +520,10 @@ def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, cap
     _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out",
                              f"{tmp_path / 'results'}/"], "a file path, not a directory (it ends in /)")
     assert not (tmp_path / "results").exists() and stub_harness == []
+    # an empty --out (an unset $OUT) was taken as none: the results went to RUN/eval/ instead
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out", ""],
+                    "--out='': a non-empty path (an unset shell variable?)")
+    assert not (tmp_path / "run" / "eval").exists() and stub_harness == []
 
 
 def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stub_harness):

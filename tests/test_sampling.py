@@ -539,6 +539,8 @@ def test_cli_prompt_file_skips_blank_lines(run_dir, tmp_path, capsys):
     # `error: UnicodeEncodeError`, exit 1, for --prompt, and a --stop string that could never match
     (["--run", "{run}", "--prompt", "caf\udce9"], "--prompt='caf\\udce9': UTF-8 text"),
     (["--run", "{run}", "--prompt", "a", "--stop", "\udce9"], "--stop='\\udce9': UTF-8 text"),
+    # bug caught (README walkthrough): an empty --prompt-file (an unset $FILE) was skipped in silence
+    (["--run", "{run}", "--prompt", "a", "--prompt-file", ""], "--prompt-file='': a non-empty path"),
 ])
 def test_cli_errors_are_one_line_exit_2(run_dir, capsys, args, needle):
     d, _ = run_dir
