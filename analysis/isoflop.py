@@ -62,11 +62,15 @@ def parse_budgets(experiment: dict) -> list[float] | None:
 
 def load_budgets(experiment_yaml: str | Path) -> list[float] | None:
     """`parse_budgets` of an experiment YAML file (`mode analyze --experiment`)."""
+    if not str(experiment_yaml).strip():  # `--experiment ""` (an unset variable) was read as no --experiment
+        raise ConfigError("--experiment", str(experiment_yaml), "a non-empty path (an unset shell variable?)")
     path = Path(experiment_yaml)
     try:
         raw = parse_yaml(path.read_bytes().decode("utf-8"))  # as `mode compare` reads it: duplicate keys refused
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         raise ConfigError("--experiment", str(path), "an existing experiment YAML file") from None
+    except UnicodeDecodeError as e:  # it exists: "an existing ... file" sent the user looking for the wrong fault
+        raise ConfigError("--experiment", str(path), f"a UTF-8 YAML file (byte {e.start} is not UTF-8)") from None
     except yaml.YAMLError as e:
         raise ConfigError("--experiment", str(path), f"valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):

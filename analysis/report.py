@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         # a report only into a new or empty directory or a mode report's (never a user's report.md)
         check_report_dir(out if out is not None else runs_dir / REPORT, "--out",
                          args.out if out is not None else str(runs_dir / REPORT))
-        path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment else None)
+        path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment is not None else None)
     except ConfigError as e:  # a bad `budgets:`: one line, nothing written
         print(e, file=sys.stderr)
         return 2

@@ -571,6 +571,15 @@ def test_isoflop_budget_from_experiment_yaml(tmp_path):
     assert isoflop.load_budgets(y) == [2e12]
     y.write_text("isoflop:\n  budgets: [1.0e12]\nflop_budget: 1.0e12\n")  # no longer found at any depth
     assert isoflop.load_budgets(y) is None
+    # bugs caught (README walkthrough): `--experiment ""` (an unset variable) was read as no --experiment,
+    # and a file that is not UTF-8 was called missing ("an existing experiment YAML file")
+    from mode.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config error: --experiment='': a non-empty path"):
+        isoflop.load_budgets("")
+    y.write_bytes(b"budgets: 1.0e12 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"a UTF-8 YAML file \(byte 21 is not UTF-8\)"):
+        isoflop.load_budgets(y)
     assert isoflop.assign_budgets([0.9e12, 2.5e12, 3.3e12], [1e12, 3e12]) == [1e12, 3e12, 3e12]
     # without named budgets: clusters within 25%
     labels = isoflop.assign_budgets([1.0, 1.1, 5.0, 5.5])
