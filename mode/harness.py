@@ -506,6 +506,8 @@ def main(argv=None) -> int:
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
+    if a.include_path is not None and not a.include_path.strip():  # was taken as none: a local task "unknown"
+        raise ConfigError("--include-path", a.include_path, "a non-empty path (an unset shell variable?)")
     if a.batch_size < 1:
         raise ConfigError("--batch-size", a.batch_size, ">= 1")
     if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0 or (a.limit > 1 and a.limit % 1)

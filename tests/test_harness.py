@@ -513,7 +513,7 @@ def test_an_explicit_out_in_the_runs_own_eval_folder_is_made(tmp_path, capsys, s
                              str(tmp_path / "run" / "other" / "x.json")], "does not exist)")
 
 
-def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, capsys, stub_harness):
+def test_an_out_ending_in_a_slash_or_an_empty_option_is_refused(tmp_path, capsys, stub_harness):
     """Bug caught (README walkthrough): `--out results/` (a new directory, as typed) wrote the results
     as a file named `results`: pathlib drops the trailing slash."""
     (tmp_path / "run").mkdir()
@@ -524,6 +524,10 @@ def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, cap
     _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--out", ""],
                     "--out='': a non-empty path (an unset shell variable?)")
     assert not (tmp_path / "run" / "eval").exists() and stub_harness == []
+    # an empty --include-path was taken as none: the built-in tasks indexed (~25 s), a local task "unknown"
+    _one_line_error(capsys, ["eval", "--run", str(tmp_path / "run"), "--tasks", "t1", "--include-path", ""],
+                    "--include-path='': a non-empty path (an unset shell variable?)")
+    assert stub_harness == []
 
 
 def test_eval_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, capsys, stub_harness):
