@@ -281,6 +281,12 @@ def variant_table(runs: list[RunLog]) -> dict[str, dict]:
     return table
 
 
+def md_row(cells: list[str]) -> str:
+    """One markdown table row; a `|` in a run name, path or value is escaped (GFM splits cells on it,
+    even inside backticks)."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
 def table_markdown(table: dict[str, dict]) -> str:
     """The variant table; columns nobody logged are left out (e.g. no MoE in the grid)."""
     metrics = [m for m in METRICS if any(row[m.key] is not None for row in table.values())]
@@ -295,7 +301,7 @@ def table_markdown(table: dict[str, dict]) -> str:
                   + (f" (n={row[m.key].n})" if row[m.key].n < len(row["seeds"]) else "")
                   + (f" {CAPACITY_MARK}" if m.key in ("eval_loss_causal", "causal_gap") and row["causal_lifts_capacity"]
                      else "") for m in metrics]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(md_row(cells))
     return "\n".join(lines)
 
 
@@ -574,7 +580,7 @@ def per_layer_markdown(columns: list[tuple[str, dict[str, dict[int, float]], Cal
     for v in variants:
         for i in sorted({i for _, data, _ in columns for i in data.get(v, {})}):
             cells = [fmt(data[v][i]) if i in data.get(v, {}) else "—" for _, data, fmt in columns]
-            lines.append("| " + " | ".join([f"`{v}`", str(i)] + cells) + " |")
+            lines.append(md_row([f"`{v}`", str(i)] + cells))
     return "\n".join(lines)
 
 
@@ -667,8 +673,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
                   f"repeat of a seed, key `repeat`) is its own variant (`{name}#k`), never averaged with the "
                   "others. The keys that differ:", "",
                   "| variant | run | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
-        lines += [f"| `{r.variant}` | `{_rel(r.path, runs_dir)}` | " + " | ".join(str(r.config_diff[k]) for k in keys)
-                  + " |" for r in group]
+        lines += [md_row([f"`{r.variant}`", f"`{_rel(r.path, runs_dir)}`"] + [str(r.config_diff[k]) for k in keys])
+                  for r in group]
         lines.append("")
     lines += ["## Summary per variant (mean ± sample std over seeds, n − 1)", "", table_markdown(table), "",
               "Eval losses are at `eval step`, the last evaluation every seed of the variant reached (a seed "
@@ -778,8 +784,8 @@ def analyze(runs_dir: str | Path, out_dir: str | Path | None = None, budgets: li
     for row in table.values():
         for s in row["runs"]:
             ev = "—" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"
-            lines.append(f"| `{s['run']}` | `{_rel(Path(s['path']), runs_dir)}` | `{s['variant']}` | {s['seed']} | "
-                         f"{s['last_step']} | {'yes' if s['done'] else 'no'} | {ev} |")
+            lines.append(md_row([f"`{s['run']}`", f"`{_rel(Path(s['path']), runs_dir)}`", f"`{s['variant']}`",
+                                 str(s["seed"]), str(s["last_step"]), "yes" if s["done"] else "no", ev]))
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(lines) + "\n")
     # strict JSON: a diverged seed's NaN is null (as in metrics.jsonl), which any JSON reader takes

@@ -22,7 +22,8 @@ def _flops(argv) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--match", metavar="OTHER.yaml", help="solve --knob so FLOPs/token equal OTHER's")
     p.add_argument("--knob", help="float field tuned by --match (default: model.mod.capacity)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the config")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config (not of "
+                   "--match's OTHER.yaml, which is read as written; mode compare applies its overrides to every variant)")
     a = p.parse_intermixed_args(argv)  # overrides before or after the options, as in `mode train`
     if a.knob is not None and not a.match:  # it only says what --match tunes: alone it did nothing, silently
         raise ConfigError("--knob", a.knob, "given with --match OTHER.yaml (the field --match tunes)")

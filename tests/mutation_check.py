@@ -597,7 +597,7 @@ MUTANTS = [
     ("an empty --prompt-file skipped", "mode/cli.py",
      "if a.prompt_file is not None and not a.prompt_file.strip():", "if False:", ["tests/test_sampling.py"]),
     ("an unknown model_args key ignored", "mode/harness.py",
-     "if unknown:  # a misspelt key", "if False:", ["tests/test_harness.py"]),
+     "if unknown:  # a misspelt key", "if False:  # a misspelt key", ["tests/test_harness.py"]),
     ("eval --out ending in a slash writes a file", "mode/harness.py",
      'if a.out and a.out.endswith(("/", os.sep)):', "if False:", ["tests/test_harness.py"]),
     ("eval --out '' writes the default file", "mode/harness.py",
@@ -629,6 +629,9 @@ MUTANTS = [
      ["tests/test_logging.py"]),
     ("compare resumes a run saved at another world size", "mode/compare.py",
      "if not prepare and finished(r.cfg) is None:", "if not prepare:", ["tests/test_compare.py"]),
+    ("a pipe in a run path splits a report table cell", "analysis/report.py",
+     r'return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"',
+     'return "| " + " | ".join(cells) + " |"', ["tests/test_analysis.py"]),
 ]
 
 

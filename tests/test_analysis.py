@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -451,6 +452,20 @@ def test_same_named_runs_with_different_configs_are_kept_apart(tmp_path):
     md = (out / "report.md").read_text()
     assert "do not share one config" in md and "`b/dense_seed0`" in md and "`train.max_steps`" in md
     assert "| `dense_seed0` | `c/dense_seed0` | `dense#3` |" in md
+
+
+def test_a_pipe_in_a_run_path_does_not_split_a_table_cell(tmp_path):
+    root = tmp_path / "runs"  # (run.name refuses `|`; a directory name may hold one)
+    _write_run(root / "x|y" / "dense_seed0", "dense", 0, 2.0)
+    _write_run(root / "z|w" / "dense_seed0", "dense", 0, 3.0, train__max_steps=2)  # the config-diff table too
+    out = tmp_path / "out"
+    report.analyze(root, out)
+    md = (out / "report.md").read_text()
+    assert "`x\\|y/dense_seed0`" in md and "`z\\|w/dense_seed0`" in md
+    tables = [[ln for ln in block.splitlines() if ln.startswith("|")] for block in md.split("\n\n")]
+    for rows in filter(None, tables):  # GFM splits a row at every unescaped pipe: each row as wide as its header
+        widths = {len(re.split(r"(?<!\\)\|", ln)) for ln in rows}
+        assert len(widths) == 1, rows
 
 
 def test_a_seed_run_twice_is_not_counted_as_two_seeds(tmp_path):
