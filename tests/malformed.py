@@ -109,6 +109,10 @@ OVERRIDES = [
     ("aux_loss_weight=0, causal=aux_loss", ["model.mod.layers=every", "model.mod.causal=aux_loss",
                                              "model.mod.aux_loss_weight=0"]),
     ("data.eos_token with the byte tokenizer", ["data.eos_token=</s>"]),
+    # a variant's key on a model with no layer for it: trained the plain model under the variant's name (session 24)
+    *[(f"{kv} with no depth-routed layer", [kv]) for kv in ("model.mod.kv=all", "model.mod.decoupled=true",
+                                                            "model.mod.gate=sigmoid", "model.mod.routing=stochastic")],
+    ("no-op experts with no MoE layer", ["model.moe.num_noop_experts=2"]),
 ]
 
 # (name, file contents) used as --config.
