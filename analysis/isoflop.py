@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out or Path(args.runs_dir) / "report")
     try:
+        for key, value in (("--out", args.out), ("--experiment", args.experiment)):
+            if value is not None and not value.strip():  # an unset shell variable: not "no option"
+                raise ConfigError(key, value, "a non-empty path (an unset shell variable?)")
         budgets = load_budgets(args.experiment) if args.experiment else None
         check_report_dir(out, "--out")  # never over a user's isoflop.md (nothing written)
     except ConfigError as e:

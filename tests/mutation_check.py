@@ -632,6 +632,9 @@ MUTANTS = [
     ("a pipe in a run path splits a report table cell", "analysis/report.py",
      r'return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"',
      'return "| " + " | ".join(cells) + " |"', ["tests/test_analysis.py"]),
+    ("isoflop --out '' or --experiment '' taken as none", "analysis/isoflop.py",
+     'if value is not None and not value.strip():  # an unset shell variable: not "no option"',
+     'if False:  # an unset shell variable: not "no option"', ["tests/test_analysis.py"]),
 ]
 
 

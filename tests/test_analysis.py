@@ -772,6 +772,9 @@ def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path,
     # an empty --out (an unset $OUT) was taken as none: the report went to RUNS/report instead
     assert report.main([str(runs), "--out", ""]) == 2 and not (runs / "report").exists()
     assert capsys.readouterr().err.splitlines() == ["config error: --out='': a non-empty path (an unset shell variable?)"]
+    for opt in ("--out", "--experiment"):  # the isoFLOP command alone, too
+        assert isoflop.main([str(runs), opt, " "]) == 2 and not (runs / "report").exists()
+        assert capsys.readouterr().err.splitlines() == [f"config error: {opt}=' ': a non-empty path (an unset shell variable?)"]
     f = tmp_path / "a_file"
     f.write_text("mine")
     assert report.main([str(runs), "--out", str(f)]) == 2
