@@ -746,7 +746,7 @@ def test_per_layer_routing_of_runs_with_no_training_log_names_no_step(tmp_path):
     assert "the last training log (step 10, training batches)" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path, capsys):
+def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path, capsys, monkeypatch):
     """Bug caught: `mode analyze RUNS --out DIR` (and `python -m analysis.isoflop --out DIR`) replaced
     report.md, summary.json, isoflop.md and *.png in any existing directory, a user's own included.
     A directory with a user's report.md and no .mode-report marker is now refused in one line before
@@ -772,6 +772,7 @@ def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path,
     # an empty --out (an unset $OUT) was taken as none: the report went to RUNS/report instead
     assert report.main([str(runs), "--out", ""]) == 2 and not (runs / "report").exists()
     assert capsys.readouterr().err.splitlines() == ["config error: --out='': a non-empty path (an unset shell variable?)"]
+    monkeypatch.chdir(tmp_path)  # (where a blank --out taken as a path would write)
     for opt in ("--out", "--experiment"):  # the isoFLOP command alone, too
         assert isoflop.main([str(runs), opt, " "]) == 2 and not (runs / "report").exists()
         assert capsys.readouterr().err.splitlines() == [f"config error: {opt}=' ': a non-empty path (an unset shell variable?)"]
