@@ -348,10 +348,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out or Path(args.runs_dir) / "report")
     try:
-        for key, value in (("--out", args.out), ("--experiment", args.experiment)):
-            if value is not None and not value.strip():  # an unset shell variable: not "no option"
-                raise ConfigError(key, value, "a non-empty path (an unset shell variable?)")
-        budgets = load_budgets(args.experiment) if args.experiment else None
+        if args.out is not None and not args.out.strip():  # an unset shell variable: not "no option"
+            raise ConfigError("--out", args.out, "a non-empty path (an unset shell variable?)")
+        # `is not None`: load_budgets refuses a blank --experiment itself (as `mode analyze` calls it)
+        budgets = load_budgets(args.experiment) if args.experiment is not None else None
         check_report_dir(out, "--out")  # never over a user's isoflop.md (nothing written)
     except ConfigError as e:
         print(e, file=sys.stderr)

@@ -633,7 +633,7 @@ MUTANTS = [
      r'return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"',
      'return "| " + " | ".join(cells) + " |"', ["tests/test_analysis.py"]),
     ("isoflop --out '' or --experiment '' taken as none", "analysis/isoflop.py",
-     'if value is not None and not value.strip():  # an unset shell variable: not "no option"',
+     'if args.out is not None and not args.out.strip():  # an unset shell variable: not "no option"',
      'if False:  # an unset shell variable: not "no option"', ["tests/test_analysis.py"]),
 ]
 
