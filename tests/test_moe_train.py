@@ -111,10 +111,11 @@ def _rank_main(rank, port, out, body):
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from mode import engine as eng
+    from tests.util import leave_world
 
     eng.init_distributed()
     out.put(body(rank))
-    torch.distributed.destroy_process_group()
+    leave_world(out)
 
 
 def on_two_ranks(body) -> list:

@@ -353,6 +353,7 @@ def _two_rank_threshold(rank, port, out):
 
     from mode.engine import average_thresholds
     from mode.routing.depth import DepthRouter
+    from tests.util import leave_world
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     router = DepthRouter(8, ModConfig(causal="threshold", threshold_momentum=0.75))
@@ -360,7 +361,7 @@ def _two_rank_threshold(rank, port, out):
         router.update_threshold(torch.tensor(THRESHOLD_SCORES[step][rank]), k=2)
     average_thresholds(router)  # what the trainer does after each optimizer step
     out.put((rank, router.threshold.item(), int(router.threshold_updates)))
-    dist.destroy_process_group()
+    leave_world(out)
 
 
 THRESHOLD_SCORES = [  # [step][rank] -> [B=2, S=4] router scores

@@ -172,6 +172,7 @@ def _two_rank_accumulator(rank, port, out):
     import torch.distributed as dist
 
     from mode.metrics import Accumulator
+    from tests.util import leave_world
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     acc = Accumulator()
@@ -179,7 +180,7 @@ def _two_rank_accumulator(rank, port, out):
     vals = acc.read()
     if rank == 0:
         out.put(vals)
-    dist.destroy_process_group()
+    leave_world(out)
 
 
 @pytest.mark.slow

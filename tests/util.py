@@ -59,6 +59,22 @@ def mode_here(capsys, monkeypatch, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["mode", *map(str, args)], rc, out.out, out.err)
 
 
+def leave_world(out) -> None:
+    """End a spawned test rank the way `mode train` ends a launched one: destroy the process group,
+    flush the result queue, then os._exit(0). Left to interpreter teardown, gloo's and DeepSpeed's C++
+    threads abort a finished rank now and then ("terminate called without an active exception",
+    SIGABRT: CI lost a passing test_the_predictors_are_averaged_across_ranks_at_zero_1 so)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    out.close()
+    out.join_thread()  # the put is in the pipe before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def leaked_shm(port: int) -> list[str]:
     """Shared-memory segments DeepSpeed's CPU comm op made for a run on `port` still in /dev/shm
     (mode.engine.shm_buffer names them; a finished run must leave none: 66 MB of RAM each)."""
