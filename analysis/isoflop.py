@@ -29,7 +29,7 @@ import yaml
 from analysis.outdir import save_figure
 from analysis.tb import (TRAIN_FLOPS_PER_FORWARD_FLOP, RunLog, config_signature, forward_flops_per_token, load_runs,
                          variant_colors, variant_sort_key)
-from mode.config import ConfigError, is_number, parse_yaml
+from mode.config import ConfigError, is_number, parse_yaml, refuse_blank
 from mode.rundir import write_atomic
 
 BUDGETS_ALLOWED = "a positive FLOP number or a non-empty list of them, e.g. [1.0e15, 3.0e15]"
@@ -62,8 +62,7 @@ def parse_budgets(experiment: dict) -> list[float] | None:
 
 def load_budgets(experiment_yaml: str | Path) -> list[float] | None:
     """`parse_budgets` of an experiment YAML file (`mode analyze --experiment`)."""
-    if not str(experiment_yaml).strip():  # `--experiment ""` (an unset variable) was read as no --experiment
-        raise ConfigError("--experiment", str(experiment_yaml), "a non-empty path (an unset shell variable?)")
+    refuse_blank("--experiment", str(experiment_yaml))  # was read as no --experiment
     path = Path(experiment_yaml)
     try:
         raw = parse_yaml(path.read_bytes().decode("utf-8"))  # as `mode compare` reads it: duplicate keys refused
@@ -348,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out or Path(args.runs_dir) / "report")
     try:
-        if args.out is not None and not args.out.strip():  # an unset shell variable: not "no option"
-            raise ConfigError("--out", args.out, "a non-empty path (an unset shell variable?)")
+        refuse_blank("--out", args.out)  # an unset shell variable: not "no option"
         # `is not None`: load_budgets refuses a blank --experiment itself (as `mode analyze` calls it)
         budgets = load_budgets(args.experiment) if args.experiment is not None else None
         check_report_dir(out, "--out")  # never over a user's isoflop.md (nothing written)

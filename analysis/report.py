@@ -831,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from analysis.isoflop import load_budgets
     from analysis.outdir import check_report_dir
-    from mode.config import ConfigError
+    from mode.config import ConfigError, refuse_blank
     from mode.rundir import REPORT, check_outside_runs
 
     runs_dir = Path(args.runs_dir).expanduser()  # `~` in a quoted argument too, as `mode compare`
@@ -839,8 +839,10 @@ def main(argv: list[str] | None = None) -> int:
         print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
                                                      "directory)"), file=sys.stderr)
         return 2
-    if args.out is not None and not args.out.strip():  # was taken as no --out: the report went to the default
-        print(ConfigError("--out", args.out, "a non-empty path (an unset shell variable?)"), file=sys.stderr)
+    try:
+        refuse_blank("--out", args.out)  # was taken as no --out: the report went to the default
+    except ConfigError as e:
+        print(e, file=sys.stderr)
         return 2
     out = Path(args.out).expanduser() if args.out else None
     try:

@@ -86,7 +86,7 @@ def _check_knob(cfg, knob: str) -> None:
 
 
 def _generate(argv) -> int:
-    from mode.config import ConfigError
+    from mode.config import ConfigError, refuse_blank
     from mode.generate import check_sampling, cli_generate
 
     p = _OneLineParser(prog="mode generate", description="Sample from a trained run (KV cache, prefill, causal "
@@ -113,8 +113,7 @@ def _generate(argv) -> int:
         for v in values:  # bytes the shell passed that are not UTF-8 (a Latin-1 terminal): lone surrogates here
             if not v.isascii() and any("\udc80" <= ch <= "\udcff" for ch in v):
                 raise ConfigError(key, v, "UTF-8 text (the shell passed bytes that are not UTF-8)")
-    if a.prompt_file is not None and not a.prompt_file.strip():  # was skipped: the --prompts ran without its file
-        raise ConfigError("--prompt-file", a.prompt_file, "a non-empty path (an unset shell variable?)")
+    refuse_blank("--prompt-file", a.prompt_file)  # was skipped: the --prompts ran without its file
     prompts = list(a.prompt)
     if a.prompt_file:
         f = Path(a.prompt_file)

@@ -36,6 +36,16 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {text}")
 
 
+BLANK = "a non-empty path (an unset shell variable?)"
+
+
+def refuse_blank(key: str, value, allowed: str = BLANK) -> None:
+    """`--out "$DIR"` with DIR unset passes "": read as the option not given (or Path("") as the current
+    directory), it sent output to a default place or read the wrong file. None (not given) passes."""
+    if value is not None and not str(value).strip():
+        raise ConfigError(key, value, allowed)
+
+
 def is_int(v, least: float = -math.inf) -> bool:
     """An integer >= least, never a bool (True is an int to Python: `num_nodes: true` is not 1 node).
     The one spelling of the check: every config, manifest and option reader uses it."""
@@ -521,7 +531,7 @@ class RunConfig:
         self.dir = user_path(self.dir)
 
     def validate(self) -> None:
-        _check(bool(self.dir.strip()), "run.dir", self.dir, "a non-empty path (an unset shell variable?)")
+        refuse_blank("run.dir", self.dir)
         _check(short_parts(self.dir), "run.dir", self.dir, SHORT_PARTS)
         # the report names figure files after it: a '/' would point them into a missing directory
         _check(not self.name or bool(NAME_RE.fullmatch(self.name)), "run.name", self.name,
@@ -744,8 +754,7 @@ def _build(cls: type, d: dict, prefix: str = ""):
 def load_config(path: str | os.PathLike | None = None, overrides: List[str] | None = None,
                 world_size: int | None = None) -> Config:
     """Resolve YAML (with `base:`) + `a.b=v` overrides into a validated Config."""
-    if path is not None and not str(path).strip():  # `--config "$CFG"` with CFG unset: not the defaults
-        raise ConfigError("--config", path, "an existing YAML file (an unset shell variable?)")
+    refuse_blank("--config", path, "an existing YAML file (an unset shell variable?)")  # not the defaults
     d = read_yaml(path) if path is not None else {}
     return _build(Config, apply_overrides(d, list(overrides or []))).validate(world_size)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from mode.config import ConfigError
+from mode.config import ConfigError, refuse_blank
 from mode.generate import rows_independent
 
 INSTALL_HINT = "mode eval needs lm-evaluation-harness: pip install -e '.[eval]'  (or: pip install lm-eval)"
@@ -506,8 +506,7 @@ def main(argv=None) -> int:
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks", a.tasks, "one or more comma-separated task names")
-    if a.include_path is not None and not a.include_path.strip():  # was taken as none: a local task "unknown"
-        raise ConfigError("--include-path", a.include_path, "a non-empty path (an unset shell variable?)")
+    refuse_blank("--include-path", a.include_path)  # was taken as none: a local task "unknown"
     if a.batch_size < 1:
         raise ConfigError("--batch-size", a.batch_size, ">= 1")
     if a.limit is not None and (not math.isfinite(a.limit) or a.limit <= 0 or (a.limit > 1 and a.limit % 1)
@@ -516,8 +515,7 @@ def main(argv=None) -> int:
                           "fraction if < 1")
     if a.routing not in ("causal", "topk"):
         raise ConfigError("--routing", a.routing, "causal or topk")
-    if a.out is not None and not a.out.strip():  # was taken as no --out: the results went to the default file
-        raise ConfigError("--out", a.out, "a non-empty path (an unset shell variable?)")
+    refuse_blank("--out", a.out)  # was taken as no --out: the results went to the default file
     if a.out and a.out.endswith(("/", os.sep)):  # Path() drops the slash: `--out results/` wrote a file `results`
         raise ConfigError("--out", a.out, "a file path, not a directory (it ends in /)")
     out = Path(a.out) if a.out else Path(a.run) / "eval" / default_out_name(tasks, a.routing, a.limit)

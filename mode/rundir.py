@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from mode.checkpoint import CHECKPOINTS, checkpoints_dir, complete_checkpoints, unlisted_files
-from mode.config import ConfigError, user_path
+from mode.config import ConfigError, refuse_blank, user_path
 
 LOCK = "LOCK"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
@@ -170,8 +170,7 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     """A directory mode may fill, `~` expanded: not empty, not the current directory or a parent of
     it (`/` included), not $HOME, where a run or a grid would mix with the user's own files.
     Raises ConfigError (nothing written)."""
-    if not str(path).strip():
-        raise ConfigError(key, path, "a non-empty path (an unset shell variable?)")
+    refuse_blank(key, path)
     d = Path(user_path(path))
     if d.is_symlink() and not d.exists():  # dangling (or a loop): nothing could be made there
         raise ConfigError(key, path, f"an existing directory or a new path ({d} is a symbolic link to "

@@ -26,6 +26,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a process or trains; `make test-fast` deselects it")
 
 
+def pytest_unconfigure(config):
+    """Some in-process tests keep a world of one (DeepSpeed caches its groups). Destroy it before the
+    interpreter exits, as `mode train` does: left to teardown, gloo's threads abort a finished
+    process now and then (SIGABRT), which would take down an xdist worker after its tests passed."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # Seconds of slow tests per file (a `--durations` run, session 14), heaviest first. `make test` hands whole
 # files to two workers in this order (--no-loadscope-reorder): by test count, xdist's default, the
 # few-test heavy files came last and one worker ran them alone. Stale values only cost balance.
