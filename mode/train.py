@@ -170,15 +170,10 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
 def check_world(cfg: Config, world: int) -> None:
     """A checkpoint holds per-rank RNG states and a data position counted in global batches of its
     world size: resuming it at another world size would not continue the same run. Refused."""
-    info = Path(cfg.run.dir) / "run_info.json"
-    if cfg.run.fresh or not info.exists() or ckpt.latest_step(cfg.run.dir) is None:
+    if cfg.run.fresh or ckpt.latest_step(cfg.run.dir) is None:
         return
-    try:
-        saved = json.loads(info.read_text()).get("world_size", world)
-    except (ValueError, AttributeError):
-        raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: its run_info.json is damaged (not a JSON object); "
-                          "delete it (the next start writes it again) and start again") from None
-    if saved != world:
+    saved = saved_world(cfg.run.dir, strict=True)
+    if saved is not None and saved != world:
         raise other_world(cfg, saved, world)
 
 
@@ -203,13 +198,22 @@ def requeued_fresh_start(cfg: Config, env=None) -> bool:
         return False
 
 
-def saved_world(run_dir: Path) -> int | None:
-    """The world size run_info.json records (None: none readable; check_world reports a damaged one)."""
-    try:
-        saved = json.loads((Path(run_dir) / "run_info.json").read_text()).get("world_size")
-    except (OSError, ValueError, AttributeError):
+def saved_world(run_dir: Path | str, strict: bool = False) -> int | None:
+    """The world size run_info.json records; None when there is none. A damaged file (not a JSON
+    object, or no positive whole world_size in it) reads as None, or with `strict` is refused."""
+    info = Path(run_dir) / "run_info.json"
+    if not info.exists():
         return None
-    return saved if is_int(saved, 1) else None
+    try:
+        saved = json.loads(info.read_text()).get("world_size", 0)
+    except (ValueError, AttributeError):
+        saved = None
+    if is_int(saved, 1):
+        return saved
+    if saved == 0 or not strict:  # 0: written before world_size was recorded
+        return None
+    raise ConfigError("run.dir", msg=f"run.dir={str(run_dir)!r}: its run_info.json is damaged (not a JSON object "
+                      "with a whole world_size); delete it (the next start writes it again) and start again")
 
 
 def finished(cfg: Config, world: int | None = None) -> str | None:

@@ -635,6 +635,8 @@ MUTANTS = [
     ("isoflop --out '' or --experiment '' taken as none", "analysis/isoflop.py",
      'refuse_blank("--out", args.out)  # an unset shell variable', 'pass  # an unset shell variable',
      ["tests/test_analysis.py"]),
+    ("a damaged world_size in run_info.json resumes at any world size", "mode/train.py",
+     "if saved == 0 or not strict:", "if True:", ["tests/test_reliability.py"]),
 ]
 
 

@@ -1086,18 +1086,24 @@ def test_prepared_data_inside_the_run_dir_is_refused_before_preparing(tmp_path, 
     assert not run.exists()
 
 
-def test_a_damaged_run_info_is_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("text", ["", "[2]", '{"world_size": "2"}', '{"world_size": 1.5}'])
+def test_a_damaged_run_info_is_one_line_naming_it(tmp_path, text):
     """Bug caught: an empty run_info.json stopped the start with `error: JSONDecodeError: Expecting
-    value`, naming neither the file nor what to do."""
+    value`, naming neither the file nor what to do; a world_size that is no whole number was reported
+    as "saved at world size 2" to a launch of world size 2. One written before world_size was
+    recorded resumes at any world size; the finished-run hint reads a damaged one as unknown."""
     from mode.config import ConfigError, load_config
-    from mode.train import check_world
+    from mode.train import check_world, saved_world
 
     d = tmp_path / "run"
     (d / "checkpoints" / "step_00000002").mkdir(parents=True)
     (d / "checkpoints" / "step_00000002" / "MANIFEST.json").write_text("{}")
-    (d / "run_info.json").write_text("")
+    (d / "run_info.json").write_text(text)
     with pytest.raises(ConfigError, match="its run_info.json is damaged"):
-        check_world(load_config(CFG, [*TINY, f"run.dir={d}"]), 1)
+        check_world(load_config(CFG, [*TINY, f"run.dir={d}"]), 2)
+    assert saved_world(d) is None
+    (d / "run_info.json").write_text("{}")
+    check_world(load_config(CFG, [*TINY, f"run.dir={d}"]), 2)
 
 
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
