@@ -527,13 +527,14 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
                     r.cfg = load_config(r.config, r.overrides, world_size=world)
                 # slurm: the writer holding the lock may be this grid's own job, which a rerun waits for
                 preflight(r.cfg, lock=slurm_active_job(exp, r) is None, prepare_data=prepare)
-                if not prepare and finished(r.cfg) is None:  # as launch.run: else each run is refused at its start
-                    check_world(r.cfg, world)
+                if not prepare:  # once: a done run's checkpoint is hashed whole to be called done
+                    r.status, r.resume_step = status(r)
+                    if r.status != "done" and finished(r.cfg) is None:  # as launch.run: else refused at its start
+                        check_world(r.cfg, world)
             except ConfigError as e:
                 # a grid's runs live under runs_dir, so the way out of a run.dir clash is another --runs-dir
                 text = str(e).removeprefix("config error: ").replace("another run.dir", "another --runs-dir")
                 raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
-            r.status, r.resume_step = status(r)
         if not prepare:
             check_matched_flops(exp, [*runs, *_matched_left_out(exp, runs, extra, world)])
 

@@ -944,6 +944,30 @@ def test_compare_calls_a_run_done_exactly_when_the_trainer_does(tmp_path):
     assert finished(run.cfg) is not None and "train.stop_at=6" in finished(run.cfg)
 
 
+def test_validating_a_grid_hashes_a_done_runs_checkpoint_once(tmp_path, monkeypatch):
+    """Bug caught: validate() verified a done run's last checkpoint (sha256 of every file, gigabytes
+    at scale) in compare's status and again in the trainer's finished() (and status once more in
+    the data-preparing pass): a rerun of a finished grid hashed every checkpoint two to three times."""
+    from mode import checkpoint as ckpt
+    from mode import compare
+    from mode.config import dump_config, load_config
+
+    exp = compare.load_experiment(stub_grid(tmp_path))
+    [run] = compare.expand(exp, only=["dense"])
+    cfg = load_config(run.config, run.overrides)
+    run_dir = Path(cfg.run.dir)
+    step = ckpt.step_dir(ckpt.checkpoints_dir(run_dir), 2)
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"weights")
+    ckpt.write_manifest(step, 2)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "DONE").write_text("{}")
+    seen, verify = [], ckpt.verify
+    monkeypatch.setattr(ckpt, "verify", lambda d: seen.append(d) or verify(d))
+    compare.validate(exp, [run], prepare_data=False)
+    assert (run.status, run.resume_step, seen) == ("done", 2, [step])
+
+
 def stub_grid(tmp_path: Path, **extra) -> Path:
     return experiment(tmp_path, overrides=[*TINY, "train.max_steps=2", f"data.prepared_dir={tmp_path / 'prepared'}"],
                       **extra)
