@@ -95,12 +95,19 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (were "
                           "they removed?): a start would train it again from step 0 beside its logs; pass "
                           "run.fresh=true to retrain it or use another run.dir")
-    if sched and not cfg.train.allow_schedule_change and ckpt.latest_step(cfg.run.dir) is not None:
+    last = ckpt.latest_step(cfg.run.dir)
+    if sched and not cfg.train.allow_schedule_change and last is not None:
         key, (was, now) = next(iter(sched.items()))
         raise ConfigError(key, msg=f"{key}={now!r}: run.dir={cfg.run.dir!r} was trained with {key}={was!r} and "
                           "its LR schedule depends on it (resuming would recompute the schedule at the resumed "
                           "step); use train.stop_at to time-box a run, pass train.allow_schedule_change=true to "
                           "change the schedule, or use another run.dir")
+    if ("train.max_steps" in sched and last is not None and cfg.train.max_steps <= last
+            and not (Path(cfg.run.dir) / "DONE").exists()):  # (a finished run: train.finished's "nothing to do")
+        # it trained nothing and wrote a DONE without final metrics (or, below the step, nothing at all)
+        raise ConfigError("train.max_steps", cfg.train.max_steps, f"more than {last}, the step run.dir="
+                          f"{cfg.run.dir!r} resumes from (its checkpoints are usable as they are: mode eval, "
+                          "mode export)")
     return old
 
 
@@ -432,10 +439,14 @@ class Trainer:
         self.step, self.tokens = client["step"], client["tokens"]
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again
-            self.sched.last_epoch = client.get("lr_steps", self.step) - 1
-            with warnings.catch_warnings():  # torch warns of a step before optimizer.step(): here it is meant
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-                self.sched.step()
+            self.sched.last_epoch = client.get("lr_steps", self.step)
+        # The loaded state holds the checkpoint's optim.lr as base_lrs (the lambda, not saved, is this
+        # config's already): an allowed optim.lr change was logged and then trained at the old peak
+        self.sched.base_lrs = [self.cfg.optim.lr] * len(self.sched.base_lrs)
+        self.sched.last_epoch -= 1  # recompute this step's LR from both
+        with warnings.catch_warnings():  # torch warns of a step before optimizer.step(): here it is meant
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.sched.step()
         if self.pred_opt and "predictor_optim" in client:
             self.pred_opt.load_state_dict(client["predictor_optim"])
         self.elapsed_s = client.get("elapsed_s", 0.0)

@@ -487,13 +487,22 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
     assert "allow_schedule_change" in lines[0] and "Traceback" not in r.stderr
     assert snapshot(run) == before
 
-    # allowed: the LR follows the new schedule from the resumed step, and the change is logged
-    r = mode_cli("train", *args, "train.max_steps=12", "train.allow_schedule_change=true")
-    assert "schedule changed at resumed step 2: train.max_steps 6 -> 12" in r.stdout
+    # Bug caught: a schedule ending at or before the resumed step trained nothing and wrote a DONE
+    # without final metrics (at 2), or exited 0 having done nothing (below 2)
+    for end in (2, 1):
+        r = mode_cli("train", *args, f"train.max_steps={end}", "train.allow_schedule_change=true", check=False)
+        assert r.returncode == 2 and r.stderr.startswith(f"config error: train.max_steps={end}: more than 2,"), r.stderr
+        assert snapshot(run) == before
+
+    # allowed: the LR follows the new schedule from the resumed step, and the change is logged.
+    # Bug caught: the loaded scheduler state kept the checkpoint's optim.lr as its base: a new peak LR
+    # was logged as applied and the old one trained on (3e-3 for the 1.5e-3 asked for here)
+    r = mode_cli("train", *args, "train.max_steps=12", "optim.lr=0.0015", "train.allow_schedule_change=true")
+    assert "schedule changed at resumed step 2: train.max_steps 6 -> 12, optim.lr 0.003 -> 0.0015" in r.stdout
     from mode.config import load_config
     from mode.engine import lr_lambda
 
-    cfg = load_config(CFG, [*TINY, *STEPS, "train.max_steps=12"])
+    cfg = load_config(CFG, [*TINY, *STEPS, "train.max_steps=12", "optim.lr=0.0015"])
     lr = scalars(run, "train/lr")
     for step in (4, 8, 12):  # the scheduler has stepped `step` times
         assert lr[step] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(step), rel=1e-6)
@@ -501,7 +510,7 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
     assert (run / "DONE").exists()
     # config.yaml now says 12 steps: the change itself is kept for `mode analyze`
     assert json.loads((run / "run_info.json").read_text())["schedule_changes"] == [
-        {"step": 2, "train.max_steps": [6, 12]}]
+        {"step": 2, "train.max_steps": [6, 12], "optim.lr": [0.003, 0.0015]}]
 
 
 def test_a_schedule_change_is_recorded_before_config_yaml_forgets_it(tmp_path):
