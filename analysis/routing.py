@@ -221,8 +221,12 @@ def plot_routing_heatmap(dump: RoutingDump, path: str | Path, row: int = 0, star
 
 
 def window_text(dump: RoutingDump, row: int = 0, start: int = 0, width: int = 64) -> str:
-    """The sample window as text: decoded bytes for the byte tokenizer, else the dumped row text."""
+    """The sample window as text: decoded bytes for the byte tokenizer, else the window's tokens
+    (each decoded alone, as dumped; the row's whole text only from a dump that predates them)."""
     ids = dump.input_ids_BS[row, start:start + width]
     if looks_like_bytes(dump):
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+    pieces = dump.tokens[row][start:start + width] if row < len(dump.tokens) else []
+    if len(pieces) == len(ids):  # not the whole row (2048 tokens) under "first 64 tokens"
+        return "".join(pieces)
     return dump.text[row] if row < len(dump.text) else ""

@@ -343,7 +343,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
                 break
             except ConnectionError as e:  # offline: not in the cache (datasets' and the hub's errors alike)
                 if not offline:
-                    _data_error(t, e)
+                    _data_error(t, e, include_path)
                 why = "offline mode: HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if env_offline else _hub_unreachable()
                 if why is None:
                     offline = False  # the hub answers: download (and score) online
@@ -353,7 +353,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
                     f"reachable ({why}); download it once on a machine with network into a cache HF_HOME points to "
                     "(README: standard tasks), or use a local task YAML (--include-path)")) from None
             except Exception as e:  # datasets raises many kinds: missing file, bad schema
-                _data_error(t, e)
+                _data_error(t, e, include_path)
         for name, task in loaded["tasks"].items():  # before anything is evaluated, not mid-evaluation
             if task.get_config("output_type") == "generate_until":
                 ignored = check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
@@ -362,7 +362,7 @@ def _task_manager(tasks: list[str], include_path: str | None):
     return tm, offline
 
 
-def _data_error(task: str, e: Exception):
+def _data_error(task: str, e: Exception, include_path: str | None = None):
     root = e  # datasets wraps a parser's message ("Missing a comma ...") in a generic one: show the cause
     for _ in range(8):
         inner = root.__cause__ or (root.__context__ if "error occurred" in str(root) else None)
@@ -371,8 +371,11 @@ def _data_error(task: str, e: Exception):
         root = inner
     msg = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
     missing = re.search(r"'(/[^']*)'", msg)
-    if isinstance(e, FileNotFoundError) and (missing is None or missing[1].startswith(f"{Path.cwd()}{os.sep}")):
-        # datasets reads a `dataset_path: json` task's relative data_files from the cwd
+    tasks_dir = f"{Path(include_path).resolve()}{os.sep}" if include_path else None
+    if isinstance(e, FileNotFoundError) and (missing is None or missing[1].startswith(f"{Path.cwd()}{os.sep}")
+                                             and not (tasks_dir and missing[1].startswith(tasks_dir))):
+        # datasets reads a `dataset_path: json` task's relative data_files from the cwd (a file missing
+        # beside the task YAMLs is missing where a `custom_dataset` loader such as local_json looks)
         msg += (f"; relative data paths are read from the current directory {Path.cwd()}: run from the directory they "
                 "are relative to, write absolute paths, or read them relative to the YAML as configs/eval does "
                 "(custom_dataset: !function local_json.load)")

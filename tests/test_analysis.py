@@ -1307,3 +1307,21 @@ def test_a_figure_the_disk_refuses_leaves_the_earlier_one_whole(tmp_path, monkey
         signal.signal(signal.SIGXFSZ, handler)
         plt.close("all")
     assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["loss_vs_step.png"]
+
+
+def test_the_sample_window_text_is_the_window_with_any_tokenizer():
+    """Bug caught: with a non-byte tokenizer the report printed the dumped row's whole text (2048
+    tokens at seq_len 2048) under "Sample sequence (row 0, first 64 tokens)"."""
+    import numpy as np
+
+    from analysis import routing as rt
+
+    S = 200
+    ids = np.arange(1000, 1000 + S)[None]  # ids above 255: not the byte tokenizer
+    pieces = [f" w{i}" for i in range(S)]
+    dump = rt.RoutingDump(ids, np.ones((2, 1, S), bool), np.zeros((1, S)), ["".join(pieces)], [pieces])
+    assert rt.window_text(dump, 0, 0, 64) == "".join(pieces[:64])
+    assert rt.window_text(dump, 0, 10, 5) == " w10 w11 w12 w13 w14"
+    byte = rt.RoutingDump(np.frombuffer(b"hello world", np.uint8).astype(np.int64)[None], np.ones((1, 1, 11), bool),
+                          np.zeros((1, 11)), ["hello world"])
+    assert rt.window_text(byte, 0, 0, 5) == "hello"

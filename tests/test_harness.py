@@ -7,6 +7,7 @@ Shape legend: S sequence, V vocabulary.
 """
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,25 @@ def test_own_task_with_relative_data_says_where_it_was_read_from(tmp_path, capsy
     _one_line_error(capsys, ["eval", "--run", str(run), "--tasks", "mine_ppl", "--include-path", str(tmp_path / "tasks")],
                     f"read from the current directory {tmp_path}: run from")
     assert not (run / "eval").exists()
+
+
+def test_a_task_reading_beside_its_yaml_is_not_told_about_the_current_directory(tmp_path, capsys, monkeypatch):
+    """Bug caught: a copy of the example task (custom_dataset: local_json, data relative to the YAML)
+    whose data file was missing, run from a directory above it (the repo root, as the README does),
+    got the hint "relative data paths are read from the current directory ... use local_json": the
+    loader it already used."""
+    _, run = fake_run(tmp_path, "dense")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copy(ROOT / "configs/eval/local_json.py", tasks)
+    yaml_text = (ROOT / "configs/eval/stdlib_ppl.yaml").read_text()
+    (tasks / "mine.yaml").write_text(yaml_text.replace("task: stdlib_ppl", "task: mine_ppl")
+                                     .replace("data/stdlib_ppl.jsonl", "data/missing.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["eval", "--run", str(run), "--tasks", "mine_ppl", "--include-path", "tasks"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tasks / "data" / "missing.jsonl") in err[0], err
+    assert "current directory" not in err[0], err
 
 
 def test_own_task_with_missing_or_malformed_data_says_what_is_wrong(tmp_path, capsys, monkeypatch):
