@@ -573,11 +573,14 @@ def check_matched_flops(exp: Experiment, runs: list[GridRun]) -> dict[str, float
     return flops
 
 
-def status(run: GridRun) -> tuple[str, int]:
+def status(run: GridRun, ran: bool = False) -> tuple[str, int]:
+    """("new" | "resume" | "done", step). `ran`: asked after the run's trainer (or its job) ran, when
+    run.fresh, applied by that start, no longer says what the directory holds (a fresh grid's
+    finished runs were reported as "exited 0 without finishing the run (no checkpoint)")."""
     from mode import checkpoint as ckpt
 
     d = run.dir
-    if run.cfg.run.fresh:  # the trainer deletes the directory and starts over
+    if run.cfg.run.fresh and not ran:  # the trainer deletes the directory and starts over
         return "new", 0
     step = ckpt.latest_step(d)
     if step is None:
@@ -706,14 +709,14 @@ def _slurm_log(exp: Experiment, run: GridRun, job: str) -> Path:
 def _stopped_as_asked(run: GridRun, state: str) -> bool:
     """A job that COMPLETED at the run's train.stop_at did what it was asked (as with the local launcher).
     Reads the run's state first: run.status and run.resume_step are current afterwards."""
-    run.status, run.resume_step = status(run)
+    run.status, run.resume_step = status(run, ran=True)
     stop = run.cfg.train.stop_at
     run.extra["stopped"] = state == "COMPLETED" and run.status == "resume" and stop > 0 and run.resume_step == stop
     return run.extra["stopped"]
 
 
 def _unfinished(exp: Experiment, run: GridRun, job: str, state: str) -> str:
-    run.status, run.resume_step = status(run)
+    run.status, run.resume_step = status(run, ran=True)
     where = f"stopped at step {run.resume_step}" if run.status == "resume" else "no checkpoint"
     return (f"{run.name}: job {job} {state} without finishing the run ({where}); log: {_slurm_log(exp, run, job)}")
 
@@ -746,7 +749,7 @@ def run_slurm(exp: Experiment, runs: list[GridRun], env: dict, log, resubmit: bo
                     "running, not submitted again")
                 active[r.name] = job
                 continue
-            r.status, r.resume_step = status(r)  # validate() looked while the job ran: it may have finished since
+            r.status, r.resume_step = status(r, ran=True)  # validate() looked while the job ran: finished since?
             if r.status == "done":
                 log(f"{tag}: done (job {job} {state})")
                 continue
@@ -1016,7 +1019,7 @@ def _run_all(a, exp: Experiment, runs: list[GridRun], env: dict, log, lock) -> i
             if rc != 0:
                 log(f"[{i}/{n}] {r.name}: failed (exit {rc}) after {dt:.0f}s; {resume_hint(r, rc)}")
                 return rc if 0 < rc < 256 else 1
-            r.status, r.resume_step = status(r)
+            r.status, r.resume_step = status(r, ran=True)
             stop = r.cfg.train.stop_at
             if r.status != "done" and not (r.status == "resume" and stop > 0 and r.resume_step >= stop):
                 # exit 0 with nothing to show for it (e.g. a launcher whose remote command ran nothing)

@@ -634,7 +634,7 @@ def test_slurm_job_that_completed_at_stop_at_stopped_as_asked(tmp_path, monkeypa
     (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
     monkeypatch.setattr(compare, "slurm_job_state", lambda job: "COMPLETED")
     for step, stopped in ((4, True), (2, False)):
-        monkeypatch.setattr(compare, "status", lambda run: ("resume", step))
+        monkeypatch.setattr(compare, "status", lambda run, ran=False: ("resume", step))
         failed = compare.wait_slurm(exp, runs, {"dense_seed0": "12"}, lambda m: None, 0)
         assert (failed == []) == stopped and runs[0].extra["stopped"] == stopped, failed
         active, failed = compare.run_slurm(exp, runs, {}, lambda m: None)
@@ -671,7 +671,7 @@ def test_slurm_job_that_finished_its_run_after_validation_is_not_a_failure(tmp_p
     (exp.runs_dir / "slurm").mkdir(parents=True)
     (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
     monkeypatch.setattr(compare, "slurm_job_state", lambda job: "COMPLETED")
-    monkeypatch.setattr(compare, "status", lambda run: ("done", STEPS))  # what the run directory holds now
+    monkeypatch.setattr(compare, "status", lambda run, ran=False: ("done", STEPS))  # what the run directory holds now
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"submitted again: {a}"))
     for resubmit in (False, True):
         active, failed = compare.run_slurm(exp, runs, {}, lambda m: None, resubmit=resubmit)
@@ -706,7 +706,7 @@ def test_preempted_slurm_job_is_final_and_a_stopped_or_held_one_is_not(tmp_path,
     (exp.runs_dir / "slurm").mkdir(parents=True)
     (exp.runs_dir / "slurm" / "dense_seed0.jobid").write_text("12\n")
     assert compare.slurm_active_job(exp, runs[0]) is None
-    monkeypatch.setattr(compare, "status", lambda run: ("resume", 2))
+    monkeypatch.setattr(compare, "status", lambda run, ran=False: ("resume", 2))
     polls = []
 
     def state(job):
@@ -814,6 +814,40 @@ def test_a_later_variants_bad_value_is_refused_before_any_data_is_prepared(tmp_p
     assert not prepared.exists() and not (tmp_path / "runs").exists()
 
 
+def finished_run(exp, run, env):
+    """A stand-in for run_one: what a trainer leaves (config, run info, a final checkpoint, DONE)."""
+    from mode import checkpoint as ckpt
+
+    final = ckpt.step_dir(ckpt.checkpoints_dir(run.dir), run.cfg.train.max_steps)
+    final.mkdir(parents=True, exist_ok=True)
+    (final / "model.pt").write_bytes(b"weights")
+    ckpt.write_manifest(final, run.cfg.train.max_steps)  # one that verifies
+    (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
+    (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed, "world_size": 1}))
+    (run.dir / "DONE").write_text("{}")
+    return 0
+
+
+def test_a_fresh_grid_that_finished_is_not_a_failure(tmp_path, monkeypatch, capsys):
+    """Bug caught: with run.fresh=true (the command line or the experiment) compare read each run's
+    state after its trainer finished as "new" (fresh: what the start deletes), so the first finished
+    run was reported "exited 0 without finishing the run (no checkpoint)", exit 1, and the other
+    variants never ran (a SLURM job: "COMPLETED without finishing", and --resubmit retrained it)."""
+    from mode import compare
+    from mode.config import load_config
+
+    monkeypatch.setattr(compare, "run_one", finished_run)
+    exp = stub_grid(tmp_path)
+    for _ in range(2):  # a fresh grid over finished runs trains them again
+        assert compare.main([str(exp), "run.fresh=true"]) == 0
+        err = capsys.readouterr().err
+        assert err.count(": done in ") == 2 and "without finishing" not in err, err
+    runs = compare.expand(compare.load_experiment(exp), None, ["run.fresh=true"])
+    for r in runs:
+        r.cfg = load_config(r.config, r.overrides)
+        assert compare.status(r) == ("new", 0) and compare.status(r, ran=True) == ("done", 2)
+
+
 def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """Bug caught: `runs_dir: ~/x` (or `--runs-dir '~/x'`) was taken literally: the runs went to
     $HOME/x (run.dir expands `~`) but the grid's LOCK and experiment.json to ./~/x, and the report
@@ -824,19 +858,6 @@ def test_tilde_in_runs_dir_is_the_home_directory(tmp_path, monkeypatch, capsys):
     home.mkdir(), cwd.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(cwd)
-
-    def finished_run(exp, run, env):  # what a trainer leaves: config, run info, a final checkpoint, DONE
-        from mode import checkpoint as ckpt
-
-        run.dir.mkdir(parents=True)
-        final = ckpt.step_dir(ckpt.checkpoints_dir(run.dir), run.cfg.train.max_steps)
-        final.mkdir(parents=True)
-        (final / "model.pt").write_bytes(b"weights")
-        ckpt.write_manifest(final, run.cfg.train.max_steps)  # one that verifies
-        (run.dir / "config.yaml").write_text(yaml.safe_dump(run.cfg.to_dict()))
-        (run.dir / "run_info.json").write_text(json.dumps({"name": run.variant, "seed": run.seed, "world_size": 1}))
-        (run.dir / "DONE").write_text("{}")
-        return 0
 
     monkeypatch.setattr(compare, "run_one", finished_run)
     exp = experiment(tmp_path, runs_dir="~/grid", report_dir="~/rep",
