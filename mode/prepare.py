@@ -315,7 +315,9 @@ def check_utf8(files: list[str], key: str, spec: str) -> None:
 
 def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
     """(an iterator of document strings, its description, the local files read) for `source` or
-    `val_source`; every check that can fail runs here, before a worker starts."""
+    `val_source`, leaving out the files `exclude` names (val_source's: by real path, so that a link
+    to one, or a path through a linked directory, is that file); every check that can fail runs
+    here, before a worker starts."""
     import datasets
     import huggingface_hub
 
@@ -335,7 +337,7 @@ def open_documents(cfg: DataConfig, which: str, exclude: tuple[str, ...] = ()):
                               "documents are never trained on)")
         spec, hub_split = cfg.source, cfg.val_source
     repo = is_dataset_repo(spec)
-    # (real paths: a link to a validation file is that file)
+    exclude = {os.path.realpath(f) for f in exclude}
     files = [f for f in source_files(spec, key, cfg.prepared_dir) if os.path.realpath(f) not in exclude]
     local = (looks_local(spec) or spec == "stdlib") and not repo
     if cfg.hub_config and local:
@@ -1069,10 +1071,9 @@ def _write_shards(cfg: DataConfig, tok, tmp: Path, progress: bool) -> dict:
     val_docs = None
     if cfg.val_source:
         val_docs, val_desc, val_files = open_documents(cfg, "val_source")
-        exclude = tuple(os.path.realpath(f) for f in val_files)
     else:
-        val_desc, val_files, exclude = None, [], ()
-    docs, desc, files = open_documents(cfg, "source", exclude)
+        val_desc, val_files = None, []
+    docs, desc, files = open_documents(cfg, "source", tuple(val_files))
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     key = {"data": data_keys(cfg), "tokenizer": tok.identity, "fingerprint": fingerprint(files + val_files)}
     st = _resume_state(tmp, key)
@@ -1205,7 +1206,7 @@ def count_tokens(cfg: DataConfig, tok, enough: int) -> dict:
 
     if cfg.val_source:  # (training documents that duplicate validation ones are not looked for here)
         val_docs, _, val_files = open_documents(cfg, "val_source")
-        docs, _, _ = open_documents(cfg, "source", tuple(os.path.abspath(f) for f in val_files))
+        docs, _, _ = open_documents(cfg, "source", tuple(val_files))
         take("val", val_docs)
         take("train", docs)
     else:

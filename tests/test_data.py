@@ -281,6 +281,26 @@ def test_a_byte_order_mark_is_not_text_and_a_linked_val_source_is_the_source(tmp
     assert all(x.startswith("alpha") for x in documents(path, "train"))
 
 
+def test_a_held_out_file_reached_through_a_linked_directory_is_the_validation_source(tmp_path):
+    """Bug caught: the checks without a prepare (`--print-config`, `mode compare`'s first pass, the
+    dry runs) left val_source's files out of data.source by absolute path, the prepare by real path:
+    through a linked directory (/scratch -> /lustre/...) a grid was refused ("besides
+    data.val_source=.../validation.txt it holds the held-out file .../validation.txt") that
+    `mode data prepare` then prepared. Both compare real paths now."""
+    real = tmp_path / "real" / "ds"
+    real.mkdir(parents=True)
+    for name in ("train", "validation"):
+        (real / f"{name}.txt").write_text("\n\n".join(f"{name} paragraph {i} " * 8 for i in range(12)))
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    ds = tmp_path / "link" / "ds"
+    cfg = dcfg(tmp_path, source=str(ds), val_source=str(ds / "validation.txt"), sample_by="paragraph")
+    counted = prep.count_tokens(cfg, ByteTokenizer(), 10 ** 9)  # exact totals: below `enough`
+    path = prep.prepare(cfg, progress=False)
+    assert all(x.startswith("train") for x in documents(path, "train"))
+    assert all(x.startswith("validation") for x in documents(path, "val"))
+    assert counted == {split: prep.read_manifest(path)["splits"][split]["tokens"] for split in ("train", "val")}
+
+
 def test_a_validation_paragraph_is_never_trained_on_whatever_its_final_newline(tmp_path):
     """Bug caught: training documents equal to a validation document were dropped by a hash of the
     exact text, and a file's last paragraph keeps its final newline: a paragraph last in one file
