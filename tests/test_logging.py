@@ -513,6 +513,26 @@ def test_stop_at_says_how_to_continue_and_schedule_change_is_refused(tmp_path, s
         {"step": 2, "train.max_steps": [6, 12], "optim.lr": [0.003, 0.0015]}]
 
 
+@pytest.mark.parametrize("end", [4, 3])
+def test_a_schedule_ending_at_or_before_the_resumed_step_is_refused(tmp_path, end):
+    """Bug caught: train.max_steps lowered to the resumed step (with train.allow_schedule_change)
+    trained nothing and wrote a DONE without final metrics; below it, exited 0 having done nothing.
+    (The same start of a longer schedule passes; the slow test above trains one.)"""
+    from mode import checkpoint as ckpt
+    from mode.config import ConfigError, dump_config, load_config
+    from mode.train import check_run_dir
+
+    run = tmp_path / "run"
+    step = ckpt.step_dir(ckpt.checkpoints_dir(run), 4)
+    step.mkdir(parents=True)
+    ckpt.write_manifest(step, 4)
+    (run / "config.yaml").write_text(dump_config(load_config(CFG, [*TINY, "train.max_steps=6", f"run.dir={run}"])))
+    allow = [*TINY, "train.allow_schedule_change=true", f"run.dir={run}"]
+    with pytest.raises(ConfigError, match=rf"^config error: train.max_steps={end}: more than 4, the step run.dir="):
+        check_run_dir(load_config(CFG, [*allow, f"train.max_steps={end}"]), lock=False)
+    assert check_run_dir(load_config(CFG, [*allow, "train.max_steps=5"]), lock=False)["train"]["max_steps"] == 6
+
+
 def test_a_schedule_change_is_recorded_before_config_yaml_forgets_it(tmp_path):
     """Bug caught: the change was written into run_info.json only after the engine was built and the
     checkpoint loaded, but config.yaml (read as the old schedule by the next start) was replaced
