@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out or Path(args.runs_dir) / "report")
     try:
+        refuse_blank("RUNS_DIR", args.runs_dir, "a directory of run directories (an unset shell variable?)")
         refuse_blank("--out", args.out)  # an unset shell variable: not "no option"
         # `is not None`: load_budgets refuses a blank --experiment itself (as `mode analyze` calls it)
         budgets = load_budgets(args.experiment) if args.experiment is not None else None

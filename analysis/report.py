@@ -835,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     from mode.rundir import REPORT, check_outside_runs
 
     runs_dir = Path(args.runs_dir).expanduser()  # `~` in a quoted argument too, as `mode compare`
-    if not runs_dir.is_dir():
+    if not runs_dir.is_dir() or not args.runs_dir.strip():  # "": Path("") is the current directory
         print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
                                                      "directory)"), file=sys.stderr)
         return 2

@@ -688,17 +688,19 @@ def _main(argv) -> int:
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"SLURM requeued job {os.environ['SLURM_JOB_ID']}, which started {cfg.run.dir} with "
                       "run.fresh=true: resuming it instead of deleting what it trained", flush=True)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", 1)))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        cfg.validate(world)
         preflight(cfg, prepare_data=not a.print_config)
+        msg = finished(cfg, world)
+        if msg is None:  # a finished run is "nothing to do" at any world size
+            check_world(cfg, world)  # (before --print-config too: it accepts only what a start accepts)
         if a.print_config:
             print(dump_config(cfg), end="")
             return 0
-        msg = finished(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         if msg:
             if int(os.environ.get("RANK", 0)) == 0:
                 print(msg, flush=True)
             return 0
-        check_world(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         trainer = Trainer(cfg)
         trainer.fit()
         end = cfg.train.max_steps

@@ -776,6 +776,11 @@ def test_analyze_writes_only_into_a_new_empty_or_mode_report_directory(tmp_path,
     for opt in ("--out", "--experiment"):  # the isoFLOP command alone, too
         assert isoflop.main([str(runs), opt, " "]) == 2 and not (runs / "report").exists()
         assert capsys.readouterr().err.splitlines() == [f"config error: {opt}=' ': a non-empty path (an unset shell variable?)"]
+    # and an empty RUNS_DIR: was read as the current directory (`mode analyze ''` wrote ./report/)
+    for main, allowed in ((report.main, "an existing directory of run directories (or one run directory)"),
+                          (isoflop.main, "a directory of run directories (an unset shell variable?)")):
+        assert main([""]) == 2 and not (tmp_path / "report").exists()
+        assert capsys.readouterr().err.splitlines() == [f"config error: RUNS_DIR='': {allowed}"]
     f = tmp_path / "a_file"
     f.write_text("mine")
     assert report.main([str(runs), "--out", str(f)]) == 2

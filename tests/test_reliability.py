@@ -1106,6 +1106,25 @@ def test_a_damaged_run_info_is_one_line_naming_it(tmp_path, text):
     check_world(load_config(CFG, [*TINY, f"run.dir={d}"]), 2)
 
 
+def test_print_config_refuses_a_run_saved_at_another_world_size(tmp_path, capsys, monkeypatch):
+    """Bug caught: `mode train --print-config` (the dry run that accepts only what a start accepts)
+    printed the config of a run saved at world size 2 for a launch of 1, which a start refuses."""
+    from mode.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.max_steps=6", f"run.dir={run}"]
+    fake_checkpoint(run, 2, {})
+    (run / "config.yaml").write_text(dump_config(load_config(CFG, args)))
+    (run / "run_info.json").write_text(json.dumps({"world_size": 2}))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    r = mode_here(capsys, monkeypatch, "train", "--print-config", "--config", CFG, *args)
+    assert r.returncode == 2 and r.stderr.startswith(f"config error: run.dir={str(run)!r} was saved at world size 2 "
+                                                     "and this launch has world size 1"), r.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    r = mode_here(capsys, monkeypatch, "train", "--print-config", "--config", CFG, *args)
+    assert r.returncode == 0 and "max_steps: 6" in r.stdout, r.stderr
+
+
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
     """A lock is stale when no process holds it open (torch's FileBaton keeps it open while it builds or
     loads), whatever its age: a start killed seconds ago left one that hangs every later start."""
