@@ -831,28 +831,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from analysis.isoflop import load_budgets
     from analysis.outdir import check_report_dir
-    from mode.config import ConfigError, refuse_blank
+    from mode.config import ConfigError, refuse_blank, user_path
     from mode.rundir import REPORT, check_outside_runs
 
-    runs_dir = Path(args.runs_dir).expanduser()  # `~` in a quoted argument too, as `mode compare`
-    if not runs_dir.is_dir() or not args.runs_dir.strip():  # "": Path("") is the current directory
-        print(ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
-                                                     "directory)"), file=sys.stderr)
-        return 2
     try:
+        # `~` in a quoted argument too, as `mode compare`; "" is no directory (Path("") is the cwd)
+        runs_dir = Path(user_path(args.runs_dir, "RUNS_DIR"))
+        if not runs_dir.is_dir() or not args.runs_dir.strip():
+            raise ConfigError("RUNS_DIR", args.runs_dir, "an existing directory of run directories (or one run "
+                                                         "directory)")
         refuse_blank("--out", args.out)  # was taken as no --out: the report went to the default
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    out = Path(args.out).expanduser() if args.out else None
-    try:
+        out = Path(user_path(args.out, "--out")) if args.out else None
         if out is not None:
             check_outside_runs(args.out, "--out", owned=REPORT)
         # a report only into a new or empty directory or a mode report's (never a user's report.md)
         check_report_dir(out if out is not None else runs_dir / REPORT, "--out",
                          args.out if out is not None else str(runs_dir / REPORT))
         path = analyze(runs_dir, out, load_budgets(args.experiment) if args.experiment is not None else None)
-    except ConfigError as e:  # a bad `budgets:`: one line, nothing written
+    except ConfigError as e:  # bad paths, a bad `budgets:`: one line, nothing written
         print(e, file=sys.stderr)
         return 2
     except NoRuns as e:  # bad input like the others: a `config error:` line, exit 2

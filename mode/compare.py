@@ -211,7 +211,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     """runs_dir (`--runs-dir`) replaces the experiment's runs_dir and its report_dir."""
     from mode.rundir import check_place
 
-    path = Path(user_path(str(path)))  # paths in YAML get `~` expanded here: no shell expands them
+    path = Path(user_path(str(path), "EXPERIMENT"))  # paths in YAML get `~` expanded here: no shell expands them
     if not path.is_file():
         raise ConfigError("EXPERIMENT", str(path), "an existing experiment YAML file")
     try:
@@ -232,7 +232,7 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
     options = raw.get("launcher_options") or {}
     if not isinstance(options, dict):
         raise _bad(path, "launcher_options must be a mapping")
-    options = {k: user_path(v) if k in ("hostfile", "script") and isinstance(v, str) else v
+    options = {k: user_path(v, f"launcher_options.{k}") if k in ("hostfile", "script") and isinstance(v, str) else v
                for k, v in options.items()}
     _unknown(options, LAUNCHER_OPTIONS[launcher], path, "launcher_options.",
              f"none with launcher {launcher} (ranks per node: nproc)")
@@ -277,11 +277,12 @@ def load_experiment(path: str | os.PathLike, runs_dir: str | None = None) -> Exp
         from analysis.outdir import check_report_dir
         from mode.rundir import REPORT, check_outside_runs, run_broken_by
 
-        if run_broken_by(user_path(str(report_dir)), REPORT) not in (None, runs.resolve()):  # runs_dir may hold reports
-            check_outside_runs(str(report_dir), "report_dir", owned=REPORT)
-        check_report_dir(user_path(str(report_dir)), "report_dir", str(report_dir))
+        shown, report_dir = str(report_dir), user_path(str(report_dir), "report_dir")
+        if run_broken_by(report_dir, REPORT) not in (None, runs.resolve()):  # runs_dir may hold reports
+            check_outside_runs(shown, "report_dir", owned=REPORT)
+        check_report_dir(report_dir, "report_dir", shown)
     return Experiment(path=path, name=str(raw.get("name") or path.stem), runs_dir=runs,
-                      report_dir=Path(user_path(str(report_dir))) if report_dir else None,
+                      report_dir=Path(report_dir) if report_dir else None,
                       launcher=launcher, options=options, nproc=nproc,
                       seeds=_seed_list(raw.get("seeds", [0]), path, "seeds"),
                       overrides=_str_list(raw.get("overrides"), path, "overrides"), variants=variants,
@@ -345,7 +346,7 @@ def check_outside_grids(out: str, key: str) -> None:
     """ConfigError (nothing written) when writing `out` (an export, an eval results file) would put
     an entry into a `mode compare` runs_dir that compare did not write: the grid would then be
     refused. Inside one of its runs or reports is their own writers' concern."""
-    path = Path(out).expanduser().resolve()
+    path = Path(user_path(out, key)).resolve()
     for below, d in zip((path, *path.parents), path.parents):
         try:
             if (d / PLAN).is_file() and is_plan(d / PLAN):
@@ -411,7 +412,7 @@ def expand(exp: Experiment, only: list[str] | None = None, extra: list[str] | No
         config = v["config"]
         if not isinstance(config, str):
             raise _bad(exp.path, f"variants.{name}.config must be a path")
-        cfg_path = (exp.path.parent / user_path(config)).resolve()
+        cfg_path = (exp.path.parent / user_path(config, f"variants.{name}.config")).resolve()
         own = _str_list(v.get("overrides"), exp.path, f"variants.{name}.overrides")
         _not_per_run(own, f"experiment {exp.path}: variants.{name}.overrides: ")
         for s in seeds:

@@ -57,11 +57,17 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def user_path(p: str) -> str:
+def user_path(p: str, key: str) -> str:
     """A path as the user wrote it, `~` expanded and `.`/`..` folded (lexically): every check and
     every write then name one directory. Unfolded, `runs/x/..` was checked as a directory that does
-    not exist (so no check applied), then its parents were made and the run written into `runs`."""
-    return os.path.normpath(os.path.expanduser(p)) if p.strip() else p
+    not exist (so no check applied), then its parents were made and the run written into `runs`.
+    `~name/...` of no user of this machine is refused under `key` (pathlib raised a bare RuntimeError)."""
+    if not p.strip():
+        return p
+    out = os.path.expanduser(p)
+    if out.startswith("~"):
+        raise ConfigError(key, p, "a path whose ~user names a user of this machine")
+    return os.path.normpath(out)
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -349,7 +355,7 @@ class DataConfig:
     """Tokens per shard file of the prepare step (a shard ends at the end of the first encode batch past it: up to 4,096 documents or ~1 MB of text, so small values give larger shards); a killed prepare resumes after its last complete shard."""
 
     def __post_init__(self):
-        self.prepared_dir = user_path(self.prepared_dir)
+        self.prepared_dir = user_path(self.prepared_dir, "data.prepared_dir")
 
     def validate(self) -> None:
         _check(self.format in ("auto", "text", "json", "parquet", "csv", "tsv"), "data.format", self.format,
@@ -371,7 +377,7 @@ class DataConfig:
                 import glob
                 _check(bool(glob.glob(os.path.expanduser(src))), key, src, "an existing file, directory or glob")
         if self.tokenizer != "byte" and looks_local(self.tokenizer):
-            _check(Path(self.tokenizer).expanduser().exists(), "data.tokenizer", self.tokenizer,
+            _check(Path(user_path(self.tokenizer, "data.tokenizer")).exists(), "data.tokenizer", self.tokenizer,
                    "`byte`, a local directory holding tokenizer.json, a tokenizer.json file, or a cached hub name")
 
 
@@ -528,7 +534,7 @@ class RunConfig:
     """Variant name (set by `mode compare`): letters, digits, `_ . -`; shown in reports and names their figure files."""
 
     def __post_init__(self):
-        self.dir = user_path(self.dir)
+        self.dir = user_path(self.dir, "run.dir")
 
     def validate(self) -> None:
         refuse_blank("run.dir", self.dir)

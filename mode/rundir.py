@@ -171,7 +171,7 @@ def check_place(path: str, key: str = "run.dir") -> Path:
     it (`/` included), not $HOME, where a run or a grid would mix with the user's own files.
     Raises ConfigError (nothing written)."""
     refuse_blank(key, path)
-    d = Path(user_path(path))
+    d = Path(user_path(path, key))
     if d.is_symlink() and not d.exists():  # dangling (or a loop): nothing could be made there
         raise ConfigError(key, path, f"an existing directory or a new path ({d} is a symbolic link to "
                                      f"{os.readlink(d)}, which does not exist)")
@@ -207,7 +207,7 @@ def run_broken_by(out: str | Path, owned: str | None = None, below_only: bool = 
 def check_outside_runs(out: str, key: str, owned: str | None = None, below_only: bool = False,
                        proofs: tuple = SIGNATURES) -> None:
     """ConfigError (nothing written) when writing `out` would break a run: see run_broken_by."""
-    broken = run_broken_by(out, owned, below_only, proofs)
+    broken = run_broken_by(user_path(str(out), key), owned, below_only, proofs)
     if broken is not None:
         where = f" (or its {owned}/)" if owned else ""
         raise ConfigError(key, out, f"a path outside the run directory {broken}{where}: a run holding anything "

@@ -113,6 +113,8 @@ OVERRIDES = [
     *[(f"{kv} with no depth-routed layer", [kv]) for kv in ("model.mod.kv=all", "model.mod.decoupled=true",
                                                             "model.mod.gate=sigmoid", "model.mod.routing=stochastic")],
     ("no-op experts with no MoE layer", ["model.moe.num_noop_experts=2"]),
+    # `~name` of no user: pathlib's bare RuntimeError "Could not determine home directory", exit 1 (session 25)
+    *[(f"{k}=~nouser/x", [f"{k}=~nosuchuser_mode/x"]) for k in ("run.dir", "data.prepared_dir", "data.tokenizer")],
 ]
 
 # (name, file contents) used as --config.

@@ -1125,6 +1125,22 @@ def test_print_config_refuses_a_run_saved_at_another_world_size(tmp_path, capsys
     assert r.returncode == 0 and "max_steps: 6" in r.stdout, r.stderr
 
 
+def test_a_tilde_of_no_user_is_one_config_error_line(tmp_path, capsys, monkeypatch):
+    """Bug caught: `~name/...` of no user of the machine (a typo for `~/name`) stopped `mode analyze`,
+    `mode compare --runs-dir` and `mode eval --out` with `error: RuntimeError: Could not determine
+    home directory.` (exit 1), naming neither the option nor the path. (Config keys: tests/malformed.py.)"""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"variants:\n  dense: {{config: {ROOT / CFG}}}\n")
+    bad = "~nosuchuser_mode/x"
+    for args, key in ((["analyze", bad], "RUNS_DIR"), (["analyze", str(tmp_path), "--out", bad], "--out"),
+                      (["compare", exp, "--dry-run", "--runs-dir", bad], "--runs-dir"),
+                      (["eval", "--run", str(tmp_path), "--tasks", "x", "--out", bad], "--out")):
+        r = mode_here(capsys, monkeypatch, *args)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"config error: {key}={bad!r}: "), r.stderr
+        assert "~user names a user" in lines[0] or args[0] == "eval", lines  # (eval: its --out's directory is missing)
+
+
 def test_stale_build_lock_is_detected(tmp_path, monkeypatch):
     """A lock is stale when no process holds it open (torch's FileBaton keeps it open while it builds or
     loads), whatever its age: a start killed seconds ago left one that hangs every later start."""
