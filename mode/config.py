@@ -249,10 +249,11 @@ class MoEConfig:
         _check(1 <= self.top_k <= self.num_experts + self.num_noop_experts, k + "top_k", self.top_k,
                f"1 <= top_k <= num_experts + num_noop_experts = {self.num_experts + self.num_noop_experts}")
         _check(self.d_expert >= 0, k + "d_expert", self.d_expert, ">= 0")
-        for name in ("capacity_factor", "eval_capacity_factor", "inference_capacity_factor"):
+        for name, null in (("capacity_factor", "dropless"), ("eval_capacity_factor", "as capacity_factor"),
+                           ("inference_capacity_factor", "dropless")):
             v = getattr(self, name)
             # capacity saturates at num_experts / top_k (nothing dropped); the bound keeps DeepSpeed's float32 finite
-            _check(v is None or 0 < v <= 1e6, k + name, v, "null (dropless) or in (0, 1e6]")
+            _check(v is None or 0 < v <= 1e6, k + name, v, f"null ({null}) or in (0, 1e6]")
         _check(self.min_capacity >= 0, k + "min_capacity", self.min_capacity, ">= 0")
         _check(self.drop_policy in ("position", "probability"), k + "drop_policy", self.drop_policy,
                "position or probability")
