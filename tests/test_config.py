@@ -61,9 +61,9 @@ def test_missing_base_names_the_base_line(tmp_path):
     ("model.n_heads=5", "model.n_heads=5"),
     ("model.moe.top_k=9", "model.moe.top_k=9"),
     # each capacity key's null said "dropless"; eval's null is training's capacity_factor
-    ("model.moe.capacity_factor=0", "model.moe.capacity_factor=0: null (dropless) or in (0, 1e6]"),
-    ("model.moe.eval_capacity_factor=0", "model.moe.eval_capacity_factor=0: null (as capacity_factor) or in (0, 1e6]"),
-    ("model.moe.inference_capacity_factor=0", "inference_capacity_factor=0: null (dropless) or in (0, 1e6]"),
+    ("model.moe.capacity_factor=0", "model.moe.capacity_factor=0.0: null (dropless) or in (0, 1e6]"),
+    ("model.moe.eval_capacity_factor=0", "model.moe.eval_capacity_factor=0.0: null (as capacity_factor) or in (0, 1e6]"),
+    ("model.moe.inference_capacity_factor=0", "inference_capacity_factor=0.0: null (dropless) or in (0, 1e6]"),
 ])
 def test_bad_values_name_key_value_and_allowed(override, needle):
     with pytest.raises(ConfigError) as e:
