@@ -428,7 +428,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """`none`, or `block`: keep only each block's input for backward and recompute the block (less activation memory, ~1 extra forward)."""
     allow_schedule_change: bool = False
-    """Resume a run whose LR schedule changes (train.max_steps, optim.lr, warmup, min_lr_ratio): the schedule is recomputed for the new values from the resumed step on, and the change is printed and logged; without it such a resume is refused."""
+    """Resume a run whose LR schedule changes (train.max_steps, optim.lr, warmup, min_lr_ratio): the schedule is recomputed for the new values from the resumed step on (a new max_steps must exceed that step), and the change is printed and logged; without it such a resume is refused."""
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
