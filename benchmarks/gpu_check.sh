@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One-shot GPU check on one lent H200, in three parts that each fit one device command (< 600 s; each
-# part's step timeouts sum to at most 400 s, leaving room for the imports and probes before them):
-#   part 1 (390 s): GPU-marked tests (CUDA's sync detector on a training step), bf16 training steps
-#           through `mode train` (eager, then compiled);
-#   part 2 (380 s): the compile tests (graphs traced on the CPU), the speed modes: fp32/bf16 x
-#           eager/compiled training steps of dense and MoD (bench_speed.py), AdamW loop vs foreach vs fused;
-#   part 3 (400 s): MegaBlocks vs native (vs DeepSpeed where installed) MoE layers, MoD block speed at S=2048.
-# Usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all]   (logs go to OUT_DIR, default ./gpu_check_out)
+# One-shot GPU check on one lent H200, in sections that each fit one device command (< 600 s):
+#   tests     GPU-marked tests: CUDA's sync detector on training steps; MegaBlocks = native where installed
+#   bf16      bf16 training steps through `mode train` (DeepSpeed, ZeRO-1): tiny MoD and staged MoDE
+#   compiled  the same for MoD with train.compile=true
+#   speed     the compile tests (graphs traced on the CPU), the speed modes: fp32/bf16 x eager/compiled
+#             training steps of dense and MoD (bench_speed.py)
+#   optimizer AdamW loop vs foreach vs fused, and whole steps
+#   moe       MegaBlocks vs native (vs DeepSpeed where installed) MoE layers, small and large shapes
+#   mod       MoD block speed at S = 512..2048 and the model step
+# Groups: 1 = tests,bf16,compiled (390 s at most); 2 = speed,optimizer (380 s); 3 = moe,mod (400 s).
+# Usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all|SECTION[,SECTION...]]
+#   (logs go to OUT_DIR, default ./gpu_check_out)
 # Sections that need DeepSpeed (`mode train`, the DeepSpeed MoE layer) say so and are skipped where it
 # is not installed (a lent machine's image may lack it and reach no package index).
 # Every step runs even when one fails (a lent machine is not started twice for one failure); the
@@ -26,11 +30,21 @@ step() {
   fi
 }
 OUT=${1:-${OUT:-gpu_check_out}}
-PART=${2:-all}
-if [[ ! $PART =~ ^(1|2|3|all)$ ]]; then  # a typo must not pass as "every step passed" on a lent machine
-  echo "gpu_check.sh: part '$PART' is not 1, 2, 3 or all (usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all])" >&2
-  exit 2
-fi
+SECTIONS=(tests bf16 compiled speed optimizer moe mod)
+case ${2:-all} in
+  1) want=tests,bf16,compiled ;;
+  2) want=speed,optimizer ;;
+  3) want=moe,mod ;;
+  all) want=$(IFS=,; echo "${SECTIONS[*]}") ;;
+  *) want=$2 ;;
+esac
+for w in ${want//,/ }; do  # a typo must not pass as "every step passed" on a lent machine
+  if [[ ! " ${SECTIONS[*]} " =~ " $w " ]]; then
+    echo "gpu_check.sh: section '$w' is not one of 1, 2, 3, all, ${SECTIONS[*]} (usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all|SECTION[,SECTION...]])" >&2
+    exit 2
+  fi
+done
+on() { [[ ",$want," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
@@ -44,44 +58,56 @@ else
 fi
 $PY -c "import megablocks; print('megablocks', megablocks.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
-if [[ $PART == 1 || $PART == all ]]; then
+if on tests; then
   echo "== GPU tests" | tee "$OUT/tests.txt"
-  step "$OUT/tests.txt" 120 $PY -m pytest -q -m gpu tests
-
-  echo "== bf16 training steps (tiny MoD and staged MoDE; then MoD compiled)" | tee "$OUT/bf16.txt"
-  if [[ $HAVE_DS == 1 ]]; then
-    # "TIMEOUT CONFIG [OVERRIDE]": compiled is DeepSpeed's start + torch.compile + 50 steps
-    # (test_compile.py alone took 100 s on an H200)
-    for run in "60 mod.yaml" "60 mode_staged.yaml" "150 mod.yaml train.compile=true"; do
-      set -- $run
-      secs=$1
-      shift
-      name="bf16_$(basename "$1" .yaml)${2:+_compiled}"
-      step "$OUT/$name.log" "$secs" $PY -m mode.cli train --config "configs/tiny/$1" "${@:2}" deepspeed.precision=bf16 \
-        deepspeed.zero_stage=1 train.max_steps=50 train.eval_every=25 log.progress=false run.dir="$OUT/$name" \
-        run.fresh=true >/dev/null
-      tail -3 "$OUT/$name.log" | tee -a "$OUT/bf16.txt"
-      cat "$OUT/$name/DONE" 2>&1 | tee -a "$OUT/bf16.txt"; echo | tee -a "$OUT/bf16.txt"
-    done
-  else
-    echo "skipped: needs deepspeed" | tee -a "$OUT/bf16.txt"
-  fi
+  step "$OUT/tests.txt" 120 $PY -m pytest -q -rs -m gpu tests
 fi
 
-if [[ $PART == 2 || $PART == all ]]; then
+# bf16 RUN_NAME TIMEOUT CONFIG [OVERRIDE...]: `mode train` for 50 bf16 steps, its last lines and DONE
+bf16() {
+  local name=$1 secs=$2 config=$3
+  shift 3
+  if [[ $HAVE_DS == 0 ]]; then
+    echo "$name skipped: needs deepspeed" | tee -a "$OUT/bf16.txt"
+    return
+  fi
+  step "$OUT/$name.log" "$secs" $PY -m mode.cli train --config "configs/tiny/$config" "$@" deepspeed.precision=bf16 \
+    deepspeed.zero_stage=1 train.max_steps=50 train.eval_every=25 log.progress=false run.dir="$OUT/$name" \
+    run.fresh=true >/dev/null
+  tail -3 "$OUT/$name.log" | tee -a "$OUT/bf16.txt"
+  cat "$OUT/$name/DONE" 2>&1 | tee -a "$OUT/bf16.txt"; echo | tee -a "$OUT/bf16.txt"
+}
+if on bf16; then
+  echo "== bf16 training steps (tiny MoD and staged MoDE)" | tee -a "$OUT/bf16.txt"
+  bf16 bf16_mod 60 mod.yaml
+  bf16 bf16_mode_staged 60 mode_staged.yaml
+fi
+if on compiled; then
+  # DeepSpeed's start + torch.compile + 50 steps (test_compile.py alone took 100 s on an H200)
+  echo "== bf16 training steps, compiled (tiny MoD)" | tee -a "$OUT/bf16.txt"
+  bf16 bf16_mod_compiled 150 mod.yaml train.compile=true
+fi
+
+if on speed; then
   echo "== Speed modes: fp32/bf16 x eager/compiled, dense vs MoD (d_model 512, S 1024)" | tee "$OUT/bench_speed.txt"
   step "$OUT/bench_speed.txt" 150 $PY -m pytest -q tests/test_compile.py
   step "$OUT/bench_speed.txt" 140 $PY benchmarks/bench_speed.py --batch 8 --reps 5
+fi
 
+if on optimizer; then
   echo "== Optimizer step: AdamW loop vs foreach vs fused, and whole steps (fused is what mode train uses)" | tee "$OUT/bench_optimizer.txt"
   step "$OUT/bench_optimizer.txt" 90 $PY benchmarks/bench_optimizer.py --device cuda --reps 10
 fi
 
-if [[ $PART == 3 || $PART == all ]]; then
-  # bench_moe.py measures native and MegaBlocks without DeepSpeed (its ds_* columns are then skipped)
+if on moe; then
+  # bench_moe.py measures native and MegaBlocks without DeepSpeed (its ds_* columns are then skipped).
+  # The default shape is launch-bound on an H200; the large one is what a GPU run's layer looks like.
   echo "== MoE layers: native vs DeepSpeed vs MegaBlocks" | tee "$OUT/bench_moe.txt"
-  step "$OUT/bench_moe.txt" 200 $PY benchmarks/bench_moe.py
+  step "$OUT/bench_moe.txt" 100 $PY benchmarks/bench_moe.py
+  step "$OUT/bench_moe.txt" 100 $PY benchmarks/bench_moe.py --tokens 16384 --d-model 1024 --d-ff 4096
+fi
 
+if on mod; then
   echo "== MoD block speed" | tee "$OUT/bench_mod.txt"
   step "$OUT/bench_mod.txt" 200 $PY benchmarks/bench_mod.py --device cuda
 fi
