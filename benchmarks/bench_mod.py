@@ -144,7 +144,7 @@ def report(runs, D, H, F, reps) -> str:
         f"## MoD block and model speed ({dev.type.upper()})",
         "",
         (f"Machine: {os.cpu_count()}-core CPU ({cpu})" if dev.type == "cpu" else
-         f"Machine: {torch.cuda.get_device_name()}") + f", torch {torch.__version__}, fp32. "
+         f"Machine: {torch.cuda.get_device_name()}") + f", torch {torch.__version__}, {torch.get_default_dtype()}. "
         f"Block: d_model {D}, {H} heads, SwiGLU d_ff {F}, {rows0[0][1] * rows0[0][0]} tokens per batch; "
         f"forward + backward (+ router/predictor aux loss for MoD); best of {reps} reps, dense and MoD "
         "interleaved, after warmup. FLOP limit = analytic training FLOPs dense / MoD (router and "
@@ -193,16 +193,25 @@ if __name__ == "__main__":
     ap.add_argument("--threads", default="0", help="comma list of torch thread counts (0 = torch's default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every tensor and model is made there)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="parameters and activations (bf16 = what DeepSpeed's bf16 mode trains; routing stays fp32)")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--d-ff", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per block batch (B = tokens / S)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per model step (S = 1024)")
     a = ap.parse_args()
     torch.set_default_device(a.device)
-    D, H, F = 512, 8, 2048
+    torch.set_default_dtype({"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype])
+    D, H, F = a.d_model, a.heads, a.d_ff
     kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else {}
+    kw["tokens"] = a.tokens
     runs = []
     default = torch.get_num_threads()
     for n in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(n or default)
         rows = bench_blocks(D, H, F, reps=a.reps, **kw)
-        model_t = bench_model(D, H, F, reps=a.reps)
+        model_t = bench_model(D, H, F, B=a.batch, reps=a.reps)
         runs.append((torch.get_num_threads(), rows, model_t, " / ".join(f"{v:.1f}" for v in os.getloadavg())))
     text = report(runs, D, H, F, a.reps)
     print(text)

@@ -7,7 +7,7 @@
 #             training steps of dense and MoD (bench_speed.py)
 #   optimizer AdamW loop vs foreach vs fused, and whole steps
 #   moe       MegaBlocks vs native (vs DeepSpeed where installed) MoE layers, small and large shapes
-#   mod       MoD block speed at S = 512..2048 and the model step
+#   mod       MoD block speed at S = 512..2048 and the model step (CPU shape fp32, GPU shape bf16)
 # Groups: 1 = tests,bf16,compiled (390 s at most); 2 = speed,optimizer (380 s); 3 = moe,mod (400 s).
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all|SECTION[,SECTION...]]
 #   (logs go to OUT_DIR, default ./gpu_check_out)
@@ -109,7 +109,10 @@ fi
 
 if on mod; then
   echo "== MoD block speed" | tee "$OUT/bench_mod.txt"
-  step "$OUT/bench_mod.txt" 200 $PY benchmarks/bench_mod.py --device cuda
+  # the CPU benchmark's shape (fp32; launch-bound on an H200), then a GPU-sized one in bf16
+  step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda
+  step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda --dtype bf16 --d-model 2048 --heads 16 \
+    --d-ff 8192 --tokens 16384 --batch 8
 fi
 
 if ((${#failed[@]})); then

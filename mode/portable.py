@@ -74,7 +74,8 @@ def deepspeed_moe_to_native(cfg, state: dict, ckpt_dir: Path):
 
 # MegaBlocks layers (mode/moe/megablocks.py): `<P>.router.weight` as native, and the experts of
 # dMoE's grouped MLP as `<P>.experts.mlp.{w1,v1,w2}`, each [E*F, D] (w1/v1 = W^T per expert).
-_MB_EXPERT = re.compile(r"^(.*)\.experts\.mlp\.(w1|v1|w2)$")
+# `<P>.` is empty in a layer's own state dict.
+_MB_EXPERT = re.compile(r"^((?:.*\.)?)experts\.mlp\.(w1|v1|w2)$")
 
 
 def megablocks_to_native(cfg, state: dict):
@@ -92,7 +93,7 @@ def megablocks_to_native(cfg, state: dict):
     for prefix, w in mlps.items():
         D = w["w1"].shape[1]
         w_in_EDH = torch.cat([w[n].view(E, -1, D) for n in ("w1", "v1") if n in w], dim=1).transpose(1, 2)
-        out[f"{prefix}.w_in"] = w_in_EDH.contiguous()
-        out[f"{prefix}.w_out"] = w["w2"].view(E, -1, D).contiguous()
+        out[f"{prefix}w_in"] = w_in_EDH.contiguous()
+        out[f"{prefix}w_out"] = w["w2"].view(E, -1, D).contiguous()
     cfg.model.moe.backend = "native"
     return cfg, out

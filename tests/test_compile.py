@@ -360,3 +360,21 @@ def test_cuda_sync_detector_sees_dropless():
             model(ids_BS[:, :-1], ids_BS[:, 1:])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_a_model_built_on_a_cuda_default_device_has_the_cpu_builds_weights():
+    """Under torch.set_default_device("cuda") (how the benchmarks build on a GPU), init_weights' keyed
+    CPU generators drew on the default device and raised; the weights must equal a CPU build's."""
+    c = cfg(mod="every_other", moe="every_other")
+    torch.manual_seed(0)
+    ref = dict(build_model(c).named_parameters())
+    torch.manual_seed(0)
+    try:
+        torch.set_default_device("cuda")
+        got = dict(build_model(c).named_parameters())
+    finally:
+        torch.set_default_device(None)
+    assert ref.keys() == got.keys()
+    for k, v in ref.items():
+        assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k

@@ -477,8 +477,9 @@ def _megablocks_layout(nat: NativeMoE) -> dict:
     return mb.state_dict()
 
 
+@pytest.mark.parametrize("prefix", ["blocks.1.ffn.", ""])  # a model's state dict, a layer's own
 @pytest.mark.parametrize("mlp,f", [("swiglu", 24), ("gelu", 40)])
-def test_megablocks_run_state_converts_to_native_exactly(mlp, f):
+def test_megablocks_run_state_converts_to_native_exactly(mlp, f, prefix):
     from types import SimpleNamespace
 
     from mode.portable import megablocks_to_native
@@ -488,10 +489,10 @@ def test_megablocks_run_state_converts_to_native_exactly(mlp, f):
     with torch.no_grad():  # what a bf16 megablocks run can hold
         for p in (nat.w_in, nat.w_out):
             p.copy_(p.bfloat16().float())
-    state = {f"blocks.1.ffn.{k}": v for k, v in _megablocks_layout(nat).items()}
+    state = {f"{prefix}{k}": v for k, v in _megablocks_layout(nat).items()}
     run_cfg, out = megablocks_to_native(SimpleNamespace(model=cfg), state)
     assert run_cfg.model.moe.backend == "native"
-    want = {f"blocks.1.ffn.{k}": v for k, v in nat.state_dict().items()}
+    want = {f"{prefix}{k}": v for k, v in nat.state_dict().items()}
     assert sorted(out) == sorted(want)
     for k, v in want.items():
         assert out[k].dtype == torch.float32 and torch.equal(out[k], v), k

@@ -199,7 +199,8 @@ def init_weights(model: nn.Module, std: float, n_layers: int, seed: int | None =
 
     def keyed_randn(key: str, shape) -> torch.Tensor:
         g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(key.encode())) % 2**63)
-        return torch.randn(shape, generator=g, dtype=torch.float32)
+        # on the generator's device (CPU), whatever the default device: the same draws everywhere
+        return torch.randn(shape, generator=g, dtype=torch.float32, device="cpu")
 
     seed = torch.initial_seed() if seed is None else seed
     with torch.no_grad():
