@@ -4,8 +4,8 @@ Layout: run.dir/checkpoints/step_00000100/ holds DeepSpeed's files (model, optim
 client state with the step), `rng_rank{r}.pt` per rank (torch, cuda, numpy, python RNG: random
 top-k and DeepSpeed's MoE draw from them; and the rank's not-yet-logged metric sums), `model.pt`
 (plain state dict for generation), `config.json` (the config it was trained with, which readers of
-model.pt check config.yaml against) and, written last, `MANIFEST.json`: the size and SHA-256 of
-every other file.
+model.pt check config.yaml against), `data.json` (the identity of the data it was trained on) and,
+written last, `MANIFEST.json`: the size and SHA-256 of every other file.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 hashes the files, writes the manifest
 atomically and renames the directory to `step_N/`. A checkpoint counts only if its manifest
@@ -41,6 +41,7 @@ STEP_RE = re.compile(r"^step_(\d{8})$")  # .../step_00000100/ (`.tmp`: being wri
 MANIFEST = "MANIFEST.json"
 MODEL = "model.pt"  # the plain state dict that sampling, `mode eval` and `mode export` read
 CONFIG = "config.json"  # the config model.pt was trained with (config.yaml beside it can be edited)
+DATA = "data.json"  # what it was trained on (mode.prepare.data_identity): a start checks it before workers start
 WEIGHTS_GLOB = f"{CHECKPOINTS}/step_*/{MODEL}"  # how messages name it, relative to run.dir
 
 
@@ -123,7 +124,15 @@ def write_config(d: Path, config: dict) -> None:
 def trained_config(d: Path) -> dict | None:
     """The config checkpoint `d` records (None: saved before the record existed). The manifest
     vouches for the file, so a reader that verified `d` can trust it."""
-    f = d / CONFIG
+    return _record(d / CONFIG)
+
+
+def trained_data(d: Path) -> dict | None:
+    """The data identity checkpoint `d` records (None: saved before the record existed)."""
+    return _record(d / DATA)
+
+
+def _record(f: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
@@ -350,6 +359,8 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
                             for k, v in engine.module.state_dict().items()}, tmp / MODEL)
                 if "config" in client_state:
                     write_config(tmp, client_state["config"])
+                if "data" in client_state:
+                    (tmp / DATA).write_text(json.dumps(client_state["data"], indent=1) + "\n")
         except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types
             err = e
     if _all(err is None):

@@ -26,7 +26,7 @@ from mode import console, rundir
 from mode.config import EXECUTION_KEYS, Config, ConfigError, dump_config, flatten, is_int, load_config, typed_dict
 from mode.config import config_diff as keys_diff  # train's config_diff: the resume's filter of it
 from mode.data import DataModule, check_data
-from mode.prepare import data_change, data_identity
+from mode.prepare import data_change, data_identity, prepared_path, read_manifest
 from mode.flops import count as count_flops
 from mode.loggers import Loggers
 from mode.metrics import TRAIN_FLOPS_PER_FORWARD_FLOP, Accumulator, default_peak_tflops, efficiency, memory_gb
@@ -91,6 +91,9 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     if [d for d in diff if d.split(":")[0] not in sched]:  # another experiment: list every difference
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
+    # config.yaml may have been written back by hand: the newest checkpoint's own record decides
+    if (trained := newest_record(cfg, ckpt.trained_config)) and (refusal := other_config(cfg, *trained)):
+        raise refusal
     if (Path(cfg.run.dir) / "DONE").exists() and not n:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (were "
                           "they removed?): a start would train it again from step 0 beside its logs; pass "
@@ -171,6 +174,10 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
         raise ConfigError("data.prepared_dir", cfg.data.prepared_dir, f"a directory outside run.dir ({cfg.run.dir})")
     rundir.check_outside_runs(cfg.data.prepared_dir, "data.prepared_dir", proofs=rundir.RUN_PROOFS)  # nor (in) another run
     check_data(cfg, write=prepare_data)
+    if recorded := newest_record(cfg, ckpt.trained_data):  # before workers start (they check the one they load)
+        path = prepared_path(cfg.data)  # (--print-config of data not prepared yet: nothing to compare)
+        if (manifest := read_manifest(path)) and (refusal := other_data(cfg, *recorded, path, manifest)):
+            raise refusal
     return saved
 
 
@@ -188,6 +195,37 @@ def other_world(cfg: Config, saved: int, world: int) -> ConfigError:
     return ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} was saved at world size {saved} and this launch "
                        f"has world size {world}: resume it with {saved} process(es), or start over with "
                        "run.fresh=true or another run.dir")
+
+
+def other_config(cfg: Config, name: str, trained: dict) -> ConfigError | None:
+    """The refusal of checkpoint `name` trained under another config than `cfg` (the schedule keys
+    aside: check_run_dir governs their change), or None."""
+    diff = [d for d in config_diff(trained, cfg.to_dict()) if d.split(":")[0] not in SCHEDULE_KEYS]
+    return ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: checkpoint {name} was trained with a different "
+                       f"config ({'; '.join(diff)}); start it with that config, or start over with run.fresh=true or "
+                       "another run.dir") if diff else None
+
+
+def other_data(cfg: Config, name: str, recorded: dict, path, manifest: dict) -> ConfigError | None:
+    """The refusal of checkpoint `name` trained on other data than the prepared `manifest`, or None:
+    a rebuilt prepared_dir (an edited source, another tokenizer.json) passes every config check."""
+    why = data_change(recorded, data_identity(manifest))
+    return ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r}: checkpoint {name} was trained on other data than "
+                       f"{path} holds ({why} since); resume it on that data, or start over with run.fresh=true or "
+                       "another run.dir") if why else None
+
+
+def newest_record(cfg: Config, read) -> tuple[str, dict] | None:
+    """(name, record) of the newest complete checkpoint of a resumed run, `read` from its files
+    (config.json, data.json), or None: a fresh start, no checkpoint, or none recorded (older
+    checkpoints). An unreadable record is left to the resume, which falls back past a damaged
+    checkpoint and checks the one it loads."""
+    newest = None if cfg.run.fresh else ckpt.latest(ckpt.checkpoints_dir(cfg.run.dir))
+    try:
+        record = read(newest) if newest is not None else None
+    except (OSError, ValueError):
+        return None
+    return (newest.name, record) if isinstance(record, dict) else None
 
 
 def requeued_fresh_start(cfg: Config, env=None) -> bool:
@@ -411,12 +449,8 @@ class Trainer:
         # silently). The schedule keys are check_run_dir's (a changed schedule's first checkpoint may
         # not be written yet). Checkpoints from before this record have none.
         trained = client.get("config")
-        diff = [d for d in config_diff(trained, self.cfg.to_dict()) if d.split(":")[0] not in SCHEDULE_KEYS] \
-            if trained else []
-        if diff:
-            raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained with a "
-                              f"different config ({'; '.join(diff)}); start it with that config, or start over with "
-                              "run.fresh=true or another run.dir")
+        if trained and (refusal := other_config(self.cfg, last.name, trained)):
+            raise refusal
         # A schedule that differs from the checkpoint's must be a change asked for now or recorded when
         # it was asked for (run_info.json): config.yaml edited by hand passes check_run_dir's comparison
         sched = schedule_diff(trained, self.cfg.to_dict()) if trained else {}
@@ -431,11 +465,9 @@ class Trainer:
                               "with the checkpoint's value")
         # ... and of its data: a rebuilt prepared_dir (an edited source, another tokenizer.json) passes
         # every config check, and the weights would go on training on other tokens
-        why = data_change(client["data"], data_identity(self.data.manifest)) if client.get("data") else None
-        if why:
-            raise ConfigError("run.dir", msg=f"run.dir={self.cfg.run.dir!r}: checkpoint {last.name} was trained on other "
-                              f"data than {self.data.path} holds ({why} since); resume it on that data, or start over "
-                              "with run.fresh=true or another run.dir")
+        if client.get("data") and (refusal := other_data(self.cfg, last.name, client["data"], self.data.path,
+                                                          self.data.manifest)):
+            raise refusal
         self.step, self.tokens = client["step"], client["tokens"]
         if not same_layout:  # the scheduler's state was not loaded (its groups changed): the LR is a
             # function of the applied steps alone, so take it up where it was, not from warmup again

@@ -645,6 +645,11 @@ MUTANTS = [
      r'_MB_EXPERT = re.compile(r"^((?:.*\.)?)experts', r'_MB_EXPERT = re.compile(r"^(.*\.)experts', ["tests/test_moe.py"]),
     ("train.compile at ZeRO 1/2 accepted (compiled blocks fault there on CUDA)", "mode/config.py",
      "_check(self.deepspeed.zero_stage == 0, ", "_check(True, ", ["tests/test_config.py"]),
+    ("a checkpoint's other config refused only by the workers (after DeepSpeed started)", "mode/train.py",
+     "if (trained := newest_record(cfg, ckpt.trained_config)) and", "if False and (trained := newest_record(cfg, ckpt.trained_config)) and",
+     ["tests/test_data.py"]),
+    ("a checkpoint's other data refused only by the workers (after DeepSpeed started)", "mode/train.py",
+     "if recorded := newest_record(cfg, ckpt.trained_data):", "if recorded := None:", ["tests/test_data.py"]),
 ]
 
 

@@ -1366,6 +1366,41 @@ def test_corrected_command_runs_without_fresh_and_bpb_matches_a_hand_computation
     assert "eval bits/byte" in report and f"{bpb:.4f}" in report
 
 
+def test_a_checkpoint_of_another_config_or_data_is_refused_before_workers_start(tmp_path):
+    """Both refusals came from the workers, after DeepSpeed had started (and built its op): a
+    config.yaml written back with another value than the checkpoint trained with, and data rebuilt
+    since the checkpoint. preflight (every launcher, `mode compare`, `--print-config`) now reads the
+    newest checkpoint's config.json and data.json and refuses in the same one line."""
+    from mode import checkpoint as ckpt
+    from mode.config import dump_config
+    from mode.train import preflight
+    from tests.util import fake_checkpoint
+
+    src, run = tmp_path / "docs.jsonl", tmp_path / "run"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in DOCS))
+    over = [*TINY, f"data.source={src}", f"data.prepared_dir={tmp_path / 'p'}", "data.num_workers=1",
+            "data.val_fraction=0.3", "data.seq_len=16", f"run.dir={run}"]
+    cfg = load_config(ROOT / "configs/tiny/dense.yaml", over)
+    assert preflight(cfg, lock=False) is None  # prepares; nothing to resume
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(cfg))
+    trained = json.loads(json.dumps(cfg.to_dict()))
+    data = prep.data_identity(prep.read_manifest(prep.prepared_path(cfg.data)))
+    fake_checkpoint(run, 2, {}, config=trained, data=data)
+    assert preflight(cfg, lock=False) is not None  # the same config and data: resumes
+    other = json.loads(json.dumps(load_config(ROOT / "configs/tiny/dense.yaml", [*over, "optim.weight_decay=0.5"]).to_dict()))
+    fake_checkpoint(run, 4, {}, config=other, data=data)
+    with pytest.raises(ConfigError, match=r"checkpoint step_00000004 was trained with a different config \(optim.weight_decay"):
+        preflight(cfg, lock=False)
+    rebuilt = json.loads(json.dumps(data))
+    rebuilt["splits"]["train"]["tokens"] += 1
+    fake_checkpoint(run, 6, {}, config=trained, data=rebuilt)
+    with pytest.raises(ConfigError, match=r"checkpoint step_00000006 was trained on other data than .*train tokens"):
+        preflight(cfg, lock=False)
+    (ckpt.checkpoints_dir(run) / "step_00000006" / ckpt.DATA).write_text("{not json")  # damaged: the resume decides
+    preflight(cfg, lock=False)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_does_not_resume_on_rebuilt_data_of_other_content(tmp_path):
     """Bug caught: a source file edited and rebuilt with `mode data prepare --force` (as the stale-data

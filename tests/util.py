@@ -145,10 +145,12 @@ def scalars(run_dir, tag: str) -> dict[int, float]:
     return {s: v for s, (_, v) in sorted(out.items())}
 
 
-def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = None) -> Path:
+def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = None, data: dict | None = None) -> Path:
     """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt, with `config` its
-    record of the trained config, and the manifest that makes it count; no DeepSpeed files), placed
-    where mode/checkpoint.py says; returns its directory."""
+    record of the trained config, `data` of its data, and the manifest that makes it count; no
+    DeepSpeed files), placed where mode/checkpoint.py says; returns its directory."""
+    import json
+
     import torch
 
     from mode import checkpoint as ckpt
@@ -158,6 +160,8 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = 
     torch.save(state_dict, d / ckpt.MODEL)
     if config is not None:
         ckpt.write_config(d, config)
+    if data is not None:
+        (d / ckpt.DATA).write_text(json.dumps(data))
     ckpt.write_manifest(d, step)
     return d
 
