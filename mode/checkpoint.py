@@ -124,16 +124,23 @@ def write_config(d: Path, config: dict) -> None:
 def trained_config(d: Path) -> dict | None:
     """The config checkpoint `d` records (None: saved before the record existed). The manifest
     vouches for the file, so a reader that verified `d` can trust it."""
-    return _record(d / CONFIG)
-
-
-def trained_data(d: Path) -> dict | None:
-    """The data identity checkpoint `d` records (None: saved before the record existed)."""
-    return _record(d / DATA)
-
-
-def _record(f: Path) -> dict | None:
+    f = d / CONFIG
     return json.loads(f.read_text()) if f.is_file() else None
+
+
+def vouched_record(d: Path, name: str) -> dict | None:
+    """Checkpoint `d`'s JSON record `name` (CONFIG, DATA) when its manifest vouches for it (size and
+    SHA-256 of that small file alone, not verify()'s every file), else None: absent, damaged (a
+    resume falls back past such a checkpoint) or not a mapping."""
+    try:
+        meta = json.loads((d / MANIFEST).read_text())["files"][name]
+        f = d / name
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            return None
+        record = json.loads(f.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def write_manifest(d: Path, step: int) -> None:

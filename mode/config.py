@@ -581,8 +581,9 @@ class Config:
                    "bf16 with model.moe.backend=megablocks (its grouped GEMM is bf16-only)")
         if self.train.compile:  # measured: benchmarks/RESULTS.md, "GPU check"
             _check(self.deepspeed.zero_stage == 0, "deepspeed.zero_stage", self.deepspeed.zero_stage,
-                   "0 with train.compile=true (ZeRO 1/2 keep the parameters in flat buffers, and compiled "
-                   "blocks faulted there on CUDA with 'misaligned address': H200, torch 2.11, DeepSpeed 0.19.8)")
+                   "0 with train.compile=true, or train.compile=false (ZeRO 1/2 keep the parameters in flat "
+                   "buffers, and compiled blocks faulted there on CUDA with 'misaligned address': H200, torch 2.11, "
+                   "DeepSpeed 0.19.8)")
         if world_size is not None and moe.backend == "deepspeed":
             _check(world_size % moe.ep_size == 0, "model.moe.ep_size", moe.ep_size,
                    f"a divisor of the world size {world_size}")

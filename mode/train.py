@@ -92,7 +92,7 @@ def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} holds a run with a different config "
                           f"({'; '.join(diff)}); pass run.fresh=true to start over or use another run.dir")
     # config.yaml may have been written back by hand: the newest checkpoint's own record decides
-    if (trained := newest_record(cfg, ckpt.trained_config)) and (refusal := other_config(cfg, *trained)):
+    if (trained := newest_record(cfg, ckpt.CONFIG)) and (refusal := other_config(cfg, *trained)):
         raise refusal
     if (Path(cfg.run.dir) / "DONE").exists() and not n:
         raise ConfigError("run.dir", msg=f"run.dir={cfg.run.dir!r} finished (DONE) but holds no checkpoint (were "
@@ -174,7 +174,7 @@ def preflight(cfg: Config, lock: bool = True, prepare_data: bool = True) -> dict
         raise ConfigError("data.prepared_dir", cfg.data.prepared_dir, f"a directory outside run.dir ({cfg.run.dir})")
     rundir.check_outside_runs(cfg.data.prepared_dir, "data.prepared_dir", proofs=rundir.RUN_PROOFS)  # nor (in) another run
     check_data(cfg, write=prepare_data)
-    if recorded := newest_record(cfg, ckpt.trained_data):  # before workers start (they check the one they load)
+    if recorded := newest_record(cfg, ckpt.DATA):  # before workers start (they check the one they load)
         path = prepared_path(cfg.data)  # (--print-config of data not prepared yet: nothing to compare)
         if (manifest := read_manifest(path)) and (refusal := other_data(cfg, *recorded, path, manifest)):
             raise refusal
@@ -215,17 +215,16 @@ def other_data(cfg: Config, name: str, recorded: dict, path, manifest: dict) -> 
                        "another run.dir") if why else None
 
 
-def newest_record(cfg: Config, read) -> tuple[str, dict] | None:
-    """(name, record) of the newest complete checkpoint of a resumed run, `read` from its files
-    (config.json, data.json), or None: a fresh start, no checkpoint, or none recorded (older
-    checkpoints). An unreadable record is left to the resume, which falls back past a damaged
-    checkpoint and checks the one it loads."""
+def newest_record(cfg: Config, name: str) -> tuple[str, dict] | None:
+    """(checkpoint name, record) of a resume's newest complete checkpoint, its record `name`
+    (ckpt.CONFIG, ckpt.DATA), or None: a fresh start, no checkpoint, a finished run (nothing to
+    resume: `finished` says so), none recorded (older checkpoints), or a record its manifest does
+    not vouch for (the resume falls back past that checkpoint and checks the one it loads)."""
     newest = None if cfg.run.fresh else ckpt.latest(ckpt.checkpoints_dir(cfg.run.dir))
-    try:
-        record = read(newest) if newest is not None else None
-    except (OSError, ValueError):
+    if newest is None or ((Path(cfg.run.dir) / "DONE").exists() and ckpt.step_of(newest) >= cfg.train.max_steps):
         return None
-    return (newest.name, record) if isinstance(record, dict) else None
+    record = ckpt.vouched_record(newest, name)
+    return (newest.name, record) if record is not None else None
 
 
 def requeued_fresh_start(cfg: Config, env=None) -> bool:

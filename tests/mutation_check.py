@@ -646,10 +646,14 @@ MUTANTS = [
     ("train.compile at ZeRO 1/2 accepted (compiled blocks fault there on CUDA)", "mode/config.py",
      "_check(self.deepspeed.zero_stage == 0, ", "_check(True, ", ["tests/test_config.py"]),
     ("a checkpoint's other config refused only by the workers (after DeepSpeed started)", "mode/train.py",
-     "if (trained := newest_record(cfg, ckpt.trained_config)) and", "if False and (trained := newest_record(cfg, ckpt.trained_config)) and",
+     "if (trained := newest_record(cfg, ckpt.CONFIG)) and", "if False and (trained := newest_record(cfg, ckpt.CONFIG)) and",
      ["tests/test_data.py"]),
     ("a checkpoint's other data refused only by the workers (after DeepSpeed started)", "mode/train.py",
-     "if recorded := newest_record(cfg, ckpt.trained_data):", "if recorded := None:", ["tests/test_data.py"]),
+     "if recorded := newest_record(cfg, ckpt.DATA):", "if recorded := None:", ["tests/test_data.py"]),
+    ("a damaged newest checkpoint's record refuses the start (the resume would fall back past it)", "mode/checkpoint.py",
+     'if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:', "if False:", ["tests/test_data.py"]),
+    ("a finished run's records refuse the start (nothing to resume)", "mode/train.py",
+     'if newest is None or ((Path(cfg.run.dir) / "DONE").exists()', "if newest is None or (False", ["tests/test_data.py"]),
 ]
 
 

@@ -1397,8 +1397,21 @@ def test_a_checkpoint_of_another_config_or_data_is_refused_before_workers_start(
     fake_checkpoint(run, 6, {}, config=trained, data=rebuilt)
     with pytest.raises(ConfigError, match=r"checkpoint step_00000006 was trained on other data than .*train tokens"):
         preflight(cfg, lock=False)
-    (ckpt.checkpoints_dir(run) / "step_00000006" / ckpt.DATA).write_text("{not json")  # damaged: the resume decides
-    preflight(cfg, lock=False)
+    # damaged after the save, as JSON or not (its manifest no longer vouches): the resume falls back past
+    # it, so the start is not refused for it (nor does a record of another shape raise a traceback)
+    other_counts = json.loads(json.dumps(rebuilt))
+    other_counts["splits"]["train"]["tokens"] += 1
+    for damaged in ("{not json", json.dumps(other_counts), json.dumps({**data, "splits": 7}), "7"):
+        (ckpt.checkpoints_dir(run) / "step_00000006" / ckpt.DATA).write_text(damaged)
+        preflight(cfg, lock=False)
+    # a finished run (DONE at train.max_steps) on since-rebuilt data: nothing to resume, `finished` says so
+    fake_checkpoint(run, 8, {}, config=trained, data=rebuilt)
+    (run / "DONE").write_text("")
+    done = load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.max_steps=8"])
+    (run / "config.yaml").write_text(dump_config(done))
+    preflight(done, lock=False)
+    with pytest.raises(ConfigError, match="step_00000008 was trained on other data"):  # not finished: refused
+        preflight(load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.max_steps=9", "train.allow_schedule_change=true"]), lock=False)
 
 
 @pytest.mark.slow

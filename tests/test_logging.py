@@ -745,7 +745,7 @@ def test_sampling_refuses_a_config_yaml_the_checkpoint_was_not_trained_with(tmp_
     step = run / "checkpoints" / "step_00000002"
     files = json.loads((step / ckpt.MANIFEST).read_text())["files"]
     assert ckpt.verify(step) is None and ckpt.CONFIG in files and ckpt.DATA in files
-    assert set(ckpt.trained_data(step)) == {"tokenizer_sha256", "splits"}  # what a start checks before workers
+    assert set(ckpt.vouched_record(step, ckpt.DATA)) == {"tokenizer_sha256", "splits"}  # what a start checks before workers
     assert ckpt.trained_config(step) == json.loads(json.dumps(load_config(run / "config.yaml").to_dict()))
     gen = ["generate", "--run", run, "--prompt", "def ", "--max-new-tokens", "2"]
     mode_cli(*gen)
