@@ -117,8 +117,9 @@ def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".part"))
 
 
-def write_config(d: Path, config: dict) -> None:
-    (d / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+def write_record(d: Path, name: str, record: dict) -> None:
+    """A JSON record (CONFIG, DATA) into checkpoint directory `d`, before its manifest is written."""
+    (d / name).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def trained_config(d: Path) -> dict | None:
@@ -133,11 +134,9 @@ def vouched_record(d: Path, name: str) -> dict | None:
     SHA-256 of that small file alone, not verify()'s every file), else None: absent, damaged (a
     resume falls back past such a checkpoint) or not a mapping."""
     try:
-        meta = json.loads((d / MANIFEST).read_text())["files"][name]
-        f = d / name
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if _file_problem(d, name, json.loads((d / MANIFEST).read_text())["files"][name]):
             return None
-        record = json.loads(f.read_text())
+        record = json.loads((d / name).read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return record if isinstance(record, dict) else None
@@ -183,16 +182,20 @@ def _verify(d: Path) -> str | None:
         return f"unreadable {MANIFEST}"
     if not files:
         return "its manifest lists no files"
-    for name, meta in files.items():
-        p = d / name
-        if not p.is_file():
-            return f"{name} is missing"
-        size = p.stat().st_size
-        if size != meta["bytes"]:
-            how = "emptied" if size == 0 else "truncated" if size < meta["bytes"] else "grown: written to since"
-            return f"{name} is {size} bytes, {meta['bytes']} when saved ({how})"
-        if _sha256(p) != meta["sha256"]:
-            return f"{name} is damaged (its SHA-256 differs from the manifest)"
+    return next(filter(None, (_file_problem(d, name, meta) for name, meta in files.items())), None)
+
+
+def _file_problem(d: Path, name: str, meta: dict) -> str | None:
+    """What is wrong with file `name` of checkpoint `d` against its manifest entry `meta`, or None."""
+    p = d / name
+    if not p.is_file():
+        return f"{name} is missing"
+    size = p.stat().st_size
+    if size != meta["bytes"]:
+        how = "emptied" if size == 0 else "truncated" if size < meta["bytes"] else "grown: written to since"
+        return f"{name} is {size} bytes, {meta['bytes']} when saved ({how})"
+    if _sha256(p) != meta["sha256"]:
+        return f"{name} is damaged (its SHA-256 differs from the manifest)"
     return None
 
 
@@ -364,10 +367,9 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
             if rank == 0:
                 torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                             for k, v in engine.module.state_dict().items()}, tmp / MODEL)
-                if "config" in client_state:
-                    write_config(tmp, client_state["config"])
-                if "data" in client_state:
-                    (tmp / DATA).write_text(json.dumps(client_state["data"], indent=1) + "\n")
+                for name, key in ((CONFIG, "config"), (DATA, "data")):
+                    if key in client_state:
+                        write_record(tmp, name, client_state[key])
         except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types
             err = e
     if _all(err is None):

@@ -221,7 +221,7 @@ def newest_record(cfg: Config, name: str) -> tuple[str, dict] | None:
     resume: `finished` says so), none recorded (older checkpoints), or a record its manifest does
     not vouch for (the resume falls back past that checkpoint and checks the one it loads)."""
     newest = None if cfg.run.fresh else ckpt.latest(ckpt.checkpoints_dir(cfg.run.dir))
-    if newest is None or ((Path(cfg.run.dir) / "DONE").exists() and ckpt.step_of(newest) >= cfg.train.max_steps):
+    if newest is None or done_at(cfg, ckpt.step_of(newest)):
         return None
     record = ckpt.vouched_record(newest, name)
     return (newest.name, record) if record is not None else None
@@ -260,6 +260,12 @@ def saved_world(run_dir: Path | str, strict: bool = False) -> int | None:
                       "with a whole world_size); delete it (the next start writes it again) and start again")
 
 
+def done_at(cfg: Config, step: int) -> bool:
+    """run.dir holds a run finished at `step`: DONE written, train.max_steps reached (a larger one
+    continues it)."""
+    return (Path(cfg.run.dir) / "DONE").exists() and step >= cfg.train.max_steps
+
+
 def finished(cfg: Config, world: int | None = None) -> str | None:
     """A message when run.dir holds this run already finished (DONE at train.max_steps) or already
     at its train.stop_at (the same time-boxed command run again), else None: nothing to do. `world`:
@@ -269,7 +275,7 @@ def finished(cfg: Config, world: int | None = None) -> str | None:
     step = ckpt.latest_step(run_dir)
     if cfg.run.fresh or step is None:
         return None
-    done, stop = (run_dir / "DONE").exists() and step >= cfg.train.max_steps, cfg.train.stop_at
+    done, stop = done_at(cfg, step), cfg.train.stop_at
     if (done or 0 < stop <= step) and ckpt.verify(ckpt.latest(ckpt.checkpoints_dir(run_dir))) is not None:
         return None  # a damaged last checkpoint is not a finished run: the start reports it and falls back
     saved = saved_world(run_dir)

@@ -172,9 +172,9 @@ MUTANTS = [
      "probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(probs_TE.dtype).eps)", MOE),
     # Checkpoints
     ("checksum not compared on load", "mode/checkpoint.py",
-     '        if _sha256(p) != meta["sha256"]:\n', "        if False:\n", CKPT),
+     '    if _sha256(p) != meta["sha256"]:\n', "    if False:\n", CKPT),
     ("size not compared on load", "mode/checkpoint.py",
-     '        if size != meta["bytes"]:\n', "        if False:\n", CKPT),
+     '    if size != meta["bytes"]:\n', "    if False:\n", CKPT),
     ("every checkpoint damaged: the run restarts in its own directory", "mode/checkpoint.py",
      "        if found[1]:\n", "        if False:\n", CKPT),
     # Run directories and prepared data
@@ -651,9 +651,10 @@ MUTANTS = [
     ("a checkpoint's other data refused only by the workers (after DeepSpeed started)", "mode/train.py",
      "if recorded := newest_record(cfg, ckpt.DATA):", "if recorded := None:", ["tests/test_data.py"]),
     ("a damaged newest checkpoint's record refuses the start (the resume would fall back past it)", "mode/checkpoint.py",
-     'if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:', "if False:", ["tests/test_data.py"]),
+     'if _file_problem(d, name, json.loads((d / MANIFEST).read_text())["files"][name]):',
+     'if False and _file_problem(d, name, json.loads((d / MANIFEST).read_text())["files"][name]):', ["tests/test_data.py"]),
     ("a finished run's records refuse the start (nothing to resume)", "mode/train.py",
-     'if newest is None or ((Path(cfg.run.dir) / "DONE").exists()', "if newest is None or (False", ["tests/test_data.py"]),
+     "if newest is None or done_at(cfg, ckpt.step_of(newest)):", "if newest is None:", ["tests/test_data.py"]),
 ]
 
 

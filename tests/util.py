@@ -149,8 +149,6 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = 
     """A checkpoint as sampling, `mode eval` and `mode export` read it (model.pt, with `config` its
     record of the trained config, `data` of its data, and the manifest that makes it count; no
     DeepSpeed files), placed where mode/checkpoint.py says; returns its directory."""
-    import json
-
     import torch
 
     from mode import checkpoint as ckpt
@@ -158,10 +156,9 @@ def fake_checkpoint(run_dir, step: int, state_dict: dict, config: dict | None = 
     d = ckpt.step_dir(ckpt.checkpoints_dir(run_dir), step)
     d.mkdir(parents=True)
     torch.save(state_dict, d / ckpt.MODEL)
-    if config is not None:
-        ckpt.write_config(d, config)
-    if data is not None:
-        (d / ckpt.DATA).write_text(json.dumps(data))
+    for name, record in ((ckpt.CONFIG, config), (ckpt.DATA, data)):
+        if record is not None:
+            ckpt.write_record(d, name, record)
     ckpt.write_manifest(d, step)
     return d
 
