@@ -182,8 +182,11 @@ def wait_job(cluster: dict, job: str, timeout: float) -> str:
         if state and state not in SLURM_ACTIVE:
             return state
         time.sleep(1)
+    reason = job_field(cluster, job, "Reason")  # why it waits: Resources (the node is held), Priority, ...
     subprocess.run(["scancel", job], env=cluster_env(cluster))
-    raise AssertionError(f"job {job} still {state} after {timeout:.0f}s")
+    raise AssertionError(f"job {job} still {state} (reason: {reason}) after {timeout:.0f}s; queue: "
+                         + subprocess.run(["squeue", "-h", "-o", "%i %j %T %R"], env=cluster_env(cluster),
+                                          capture_output=True, text=True).stdout.replace("\n", "; "))
 
 
 @pytest.mark.slow
@@ -242,7 +245,8 @@ def test_the_moved_job_log_keeps_slurms_own_lines_across_a_requeue(tmp_path, clu
 
     submit_dir, run = tmp_path / "submit", tmp_path / "run"
     submit_dir.mkdir()
-    sbatch = ["sbatch", "--parsable", "--ntasks-per-node=1", str(ROOT / "launch" / "slurm.sbatch"), "--config",
+    sbatch = ["sbatch", "--parsable", "--ntasks-per-node=1", "--time=15",  # a limit: a killed test leaves no job for good
+              str(ROOT / "launch" / "slurm.sbatch"), "--config",
               str(ROOT / "configs/tiny/dense.yaml"), *RUN, "train.max_steps=100000", "checkpoint.every=100000",
               f"data.prepared_dir={tmp_path / 'prepared'}", f"run.dir={run}"]
     job = subprocess.run(sbatch, cwd=submit_dir, env=cluster_env(cluster), capture_output=True, text=True,
@@ -439,7 +443,7 @@ def test_compare_waits_for_the_job_its_script_submitted_through_a_controller_out
 
     exp = {"name": "grid", "runs_dir": str(tmp_path / "runs"), "launcher": "slurm", "nproc": 1, "seeds": [0],
            "overrides": [*RUN, "train.max_steps=100000", "checkpoint.every=100000"],  # cancelled long before
-           "launcher_options": {"num_gpus": 0, "submit": False},
+           "launcher_options": {"num_gpus": 0, "submit": False, "sbatch_args": ["--time=15"]},  # no job left for good
            "variants": {"dense": {"config": str(ROOT / "configs/tiny/dense.yaml")}}}
     path = tmp_path / "grid.yaml"
     path.write_text(yaml.safe_dump(exp))
@@ -545,6 +549,40 @@ def test_compare_adopts_a_job_queued_for_a_run_whose_id_was_not_recorded(tmp_pat
     finally:
         for j in queued():
             subprocess.run(["scancel", j], env=cluster_env(cluster))
+
+
+@pytest.mark.slow
+def test_a_cluster_restarted_after_its_daemons_died_does_not_revive_their_jobs(tmp_path, cluster):
+    """Bug caught (CI): the machine restarted while a job ran; `local_cluster.sh up` started slurmctld on
+    its saved state, which revived the dead job as RUNNING. It held the node's CPUs for good and every
+    job after it stayed PENDING. Here a job holding both CPUs dies with the daemons (SIGKILL, as a
+    reboot leaves them); after `up`, that job is gone from the queue and a new one runs."""
+    ce = cluster_env(cluster)
+    mark = tmp_path / "started"
+    old = subprocess.run(["sbatch", "--parsable", "-J", "mode-revived", "-n", "2", "-o", str(tmp_path / "old.out"),
+                          "--wrap", f"echo $$ > {mark}.tmp; mv {mark}.tmp {mark}; exec sleep 600"], env=ce, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    end = time.monotonic() + 120
+    while not mark.exists():
+        assert time.monotonic() < end, job_field(cluster, old, "JobState")
+        time.sleep(0.5)
+    daemons = [int((CLUSTER_DIR / f"{d}.pid").read_text()) for d in ("slurmctld", "slurmd")]
+    steps = subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{old}\."], capture_output=True, text=True).stdout.split()
+    for pid in [*daemons, *map(int, steps), int(mark.read_text())]:  # the daemons, the job's stepd, its sleep
+        os.kill(pid, signal.SIGKILL)
+    for pid in daemons:
+        end = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists():
+            assert time.monotonic() < end, pid
+            time.sleep(0.2)
+    r = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], env=ce, capture_output=True, text=True,
+                           check=True).stdout
+    assert "mode-revived" not in queue, queue
+    new = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "new.out"), "--wrap", "true"],
+                         env=ce, capture_output=True, text=True, check=True).stdout.strip()
+    assert wait_job(cluster, new, 120) == "COMPLETED"
 
 
 # ----------------------------------------------------------------------------------------------

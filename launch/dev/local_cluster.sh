@@ -94,8 +94,13 @@ NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS $( ((GPUS)) && echo "Gres=gpu:$GPUS
 PartitionName=cpu Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
   export SLURM_CONF="$DIR/slurm.conf"
-  alive "$DIR/slurmctld.pid" || /usr/sbin/slurmctld -f "$SLURM_CONF"
-  alive "$DIR/slurmd.pid" || /usr/sbin/slurmd -f "$SLURM_CONF" -N "$NODE"
+  # With both daemons dead (a reboot, a killed container, `down`), the jobs slurmctld saved have no
+  # processes left, but restarting on that state revives them as RUNNING: they hold the node's CPUs
+  # and every new job stays PENDING. -c starts both from a clean state.
+  local clean=()
+  alive "$DIR/slurmctld.pid" || alive "$DIR/slurmd.pid" || clean=(-c)
+  alive "$DIR/slurmctld.pid" || /usr/sbin/slurmctld -f "$SLURM_CONF" "${clean[@]}"
+  alive "$DIR/slurmd.pid" || /usr/sbin/slurmd -f "$SLURM_CONF" -N "$NODE" "${clean[@]}"
   wait_for 30 bash -c "sinfo -h -o %t | grep -qE '^(idle|mix|alloc)'" \
     || die "SLURM node not idle after 30 s: $(sinfo -h -o '%t %E' 2>&1) (see $DIR/slurmctld.log, $DIR/slurmd.log)"
 
