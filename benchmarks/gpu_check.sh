@@ -114,6 +114,8 @@ if on mod; then
   step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda
   step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda --dtype bf16 --d-model 2048 --heads 16 \
     --d-ff 8192 --tokens 16384 --batch 8
+  # the causal predictor under bf16: fp32 GEMMs (before session 27) vs the stream's dtype (now)
+  step "$OUT/bench_mod.txt" 60 $PY benchmarks/bench_predictor.py --device cuda --d-model 2048 --tokens 16384
 fi
 
 if ((${#failed[@]})); then

@@ -235,10 +235,10 @@ class PredictorAdamW:
     in the global norm that optim.grad_clip divides every gradient by, so predictor_loss_weight and the
     causal mode changed how the LM trained (tiny MoD preset: LM weights 0.08 apart after 40 steps).
     They are clipped by their own norm with the same grad_clip and stepped with the LM's AdamW
-    settings and current learning rate, without weight decay (as routers), in fp32 also under bf16
-    (as the router: near-ties decide). Data parallel: at ZeRO 0 the engine all-reduces every module
-    gradient, these included; ZeRO 1/2 reduce only their own partitions, so here one all-reduce of
-    the flattened predictor gradients averages them. Steps before the engine's step (which drops
+    settings and current learning rate, without weight decay (as routers), on fp32 weights also under
+    bf16 (their GEMMs run in the stream's dtype, mode/routing/depth.py). Data parallel: at ZeRO 0 the
+    engine all-reduces every module gradient, these included; ZeRO 1/2 reduce only their own
+    partitions, so here one all-reduce of the flattened predictor gradients averages them. Steps before the engine's step (which drops
     every module gradient) on its own finite gradients; non-finite ones are dropped, no update
     (fused AdamW's found_inf: the step reads nothing back to the host)."""
 

@@ -253,6 +253,44 @@ def test_predictor_loss_does_not_change_lm_gradients(monkeypatch):
     assert any(not torch.equal(g0[n], g1_leak[n]) for n in g0 if n not in pred)
 
 
+def test_predictor_gemms_run_in_the_streams_dtype_and_train_its_fp32_weights():
+    """Bug caught: under bf16 the predictor (fp32 master weights, mode.engine.PredictorAdamW) cast
+    the stream up and ran its d x d/2 GEMMs in fp32 on every token: on a GPU about the inner
+    unit's cost at capacity 0.125 (benchmarks/bench_predictor.py). Now bf16 GEMMs; the logits
+    agree with a float64 reference to bf16 rounding, the fp32 weights get fp32 gradients, and
+    the stream none (stop-gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "linear"):
+                self.seen.append((func.__name__, {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    D = 64
+    router = DepthRouter(D, ModConfig(layers="every", causal="predictor"))
+    x_BSD = torch.randn(2, 8, D).to(torch.bfloat16).requires_grad_()
+    member_BS = (torch.rand(2, 8) < 0.5).float()
+    r_BS = router.scores(x_BSD)
+    with GemmDtypes() as mode:
+        p_BS = router.causal_logits(x_BSD, r_BS)
+        F.binary_cross_entropy_with_logits(p_BS, member_BS).backward()
+    # two forward GEMMs, the two weight gradients and the hidden layer's input gradient
+    assert len(mode.seen) >= 4 and all(d == {torch.bfloat16} for _, d in mode.seen), mode.seen
+    up, act, down = router.predictor
+    ref_BS = F.linear(act(F.linear(x_BSD.double(), up.weight.double(), up.bias.double())),
+                      down.weight.double(), down.bias.double()).squeeze(-1)
+    assert p_BS.dtype == torch.float32 and torch.allclose(p_BS.double(), ref_BS, atol=0.03 * ref_BS.abs().max().item())
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+               and p.grad.abs().sum() > 0 for p in router.predictor.parameters())
+    assert x_BSD.grad is None
+
+
 def test_aux_loss_trains_the_router():
     def router_grad(weight):
         torch.manual_seed(0)

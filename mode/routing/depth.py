@@ -86,10 +86,14 @@ class DepthRouter(nn.Module):
             return r_BS - self.threshold
         if self.predictor is None:
             return r_BS  # sigmoid(r) > 0.5  <=>  r > 0
-        # Stop-gradient: the predictor learns from the residual stream but never shapes it. In
-        # its own dtype: fp32 in training also under bf16 (mode.engine.PredictorAdamW).
-        w = self.predictor[0].weight
-        return self.predictor(x_BSD.detach().to(w.dtype)).squeeze(-1).float()
+        # Stop-gradient: the predictor learns from the residual stream but never shapes it. Its
+        # weights stay fp32 in training also under bf16 (mode.engine.PredictorAdamW's masters); its
+        # GEMMs run in the stream's dtype, as the model's do: in fp32 under bf16 this d x d/2 MLP on
+        # every token cost about as much as the inner unit at capacity 0.125 (benchmarks/RESULTS.md).
+        x = x_BSD.detach()
+        up, act, down = self.predictor
+        h = act(F.linear(x, up.weight.to(x.dtype), up.bias.to(x.dtype)))
+        return F.linear(h, down.weight.to(x.dtype), down.bias.to(x.dtype)).squeeze(-1).float()
 
     def losses(self, x_BSD, r_BS, member_BS):
         """Weighted aux loss and metrics against top-k membership `member_BS` (0/1 float)."""
