@@ -585,6 +585,27 @@ def test_a_cluster_restarted_after_its_daemons_died_does_not_revive_their_jobs(t
     assert wait_job(cluster, new, 120) == "COMPLETED"
 
 
+@pytest.mark.slow
+def test_a_pid_file_naming_a_pid_another_process_took_is_not_a_running_daemon(tmp_path):
+    """Bug caught: after a reboot a PID file of the local cluster can name a PID that another process
+    has since taken; `local_cluster.sh` read it as the daemon running, so `up` did not start it (SLURM
+    then never came up) and `down` would have killed that other process. Each PID file here names a
+    live `sleep`: every daemon reads as stopped (status, which `up` and `down` ask the same way)."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for f in ("munge/munged.pid", "slurmctld.pid", "slurmd.pid", "ssh/sshd.pid"):
+            (tmp_path / f).parent.mkdir(exist_ok=True)
+            (tmp_path / f).write_text(f"{other.pid}\n")
+        r = subprocess.run(["bash", str(CLUSTER), "status"], env={**os.environ, "MODE_CLUSTER_DIR": str(tmp_path)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout.split() == ["munged:", "stopped", "slurmctld:", "stopped", "slurmd:",
+                                                          "stopped", "sshd:", "stopped"], r.stdout + r.stderr
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
 # ----------------------------------------------------------------------------------------------
 # pdsh over ssh: two "nodes" (mode-node0 = 127.0.0.1, mode-node1 = 127.0.0.2).
 

@@ -26,7 +26,15 @@ SSH_CLIENT_CONF=/etc/ssh/ssh_config.d/mode-local-cluster.conf
 NODE="$(hostname -s)"
 
 die() { echo "local_cluster: $*" >&2; exit 1; }
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# alive PIDFILE: its process runs, is the daemon the file is named after and was started on this
+# directory's files. A PID file left by a reboot or a killed container can name a PID some other
+# process has since taken: read as alive, the daemon was not started (and `down` killed that process).
+alive() {
+  local pid
+  [[ -f $1 ]] && pid="$(cat "$1")" && [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
+  [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$(basename "$1" .pid)" ]] \
+    && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$DIR"
+}
 wait_for() {  # wait_for SECONDS CMD...: poll until CMD succeeds
   local end=$((SECONDS + $1)); shift
   until "$@" >/dev/null 2>&1; do ((SECONDS < end)) || return 1; sleep 0.5; done
