@@ -519,6 +519,12 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
     from mode.train import check_world, finished, preflight
 
     world = world_size(exp)
+    o = exp.options
+    if exp.launcher == "deepspeed" and o.get("hostfile"):  # launch.run's host checks, before a run fails each
+        lr = _launch()
+        nodes = lr.plan_nodes(o["hostfile"], int(o.get("num_nodes", -1)), int(o.get("num_gpus", -1)))
+        lr.check_hosts(o["hostfile"], nodes, o.get("master_addr"), None,
+                       keys=("launcher_options.hostfile", "launcher_options.master_addr"))
     # Every run is checked before any data is prepared (a later variant's bad value must not wait
     # for, or follow, an earlier one's prepare), then the data is prepared.
     for prepare in (False, True) if prepare_data else (False,):

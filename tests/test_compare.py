@@ -139,6 +139,27 @@ def test_dry_run_expands_variants_and_seeds(tmp_path, capsys, monkeypatch):
     assert "--env NCCL_DEBUG=WARN" in r.stdout
 
 
+def test_dry_run_refuses_a_loopback_first_host_as_the_launch_would(tmp_path, capsys, monkeypatch):
+    """Bug caught: `mode compare --dry-run` ("validate every run") passed a grid whose hostfile of
+    several nodes starts with localhost; each run then failed launch.run's check at its start. The
+    dry run now makes launch.run's host checks, named by the grid's keys; one node, or a master
+    address, passes as there."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\nnode1 slots=2\n")
+    opts = {"hostfile": str(hostfile), "num_gpus": 2, "master_port": 29511}
+    r = mode_here(capsys, monkeypatch, "compare", experiment(tmp_path, launcher="deepspeed", launcher_options=opts),
+                  "--dry-run")
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.strip() == (
+        f"config error: launcher_options.hostfile={str(hostfile)!r}: a first host (node 0: the master address of "
+        "the 2 nodes) the other nodes can reach; localhost is each node's own loopback: list node 0 by a name the "
+        "other nodes resolve to it, or pass launcher_options.master_addr <node 0's address>"), r.stderr
+    for ok in ({"master_addr": "10.0.0.1"}, {"num_nodes": 1}):
+        r = mode_here(capsys, monkeypatch, "compare",
+                      experiment(tmp_path, launcher="deepspeed", launcher_options={**opts, **ok}), "--dry-run")
+        assert r.returncode == 0, (ok, r.stderr)
+
+
 @pytest.mark.slow  # prepares the tiny corpus (a real start's checks)
 def test_slurm_launcher_writes_and_submits_each_run_once(tmp_path, capsys, monkeypatch):
     bin_dir = tmp_path / "bin"
