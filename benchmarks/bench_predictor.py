@@ -30,6 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(0)
     D, dev = a.d_model, torch.device(a.device)
+    torch.set_default_device(dev)  # timeit_interleaved waits for the default device's work (CUDA)
     router = DepthRouter(D, ModConfig(layers="every", causal="predictor")).to(dev)  # fp32 masters
     x_BSD = torch.randn(1, a.tokens, D, device=dev).to(torch.bfloat16)  # the bf16 residual stream
     r_BS = router.scores(x_BSD)

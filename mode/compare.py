@@ -519,12 +519,6 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
     from mode.train import check_world, finished, preflight
 
     world = world_size(exp)
-    o = exp.options
-    if exp.launcher == "deepspeed" and o.get("hostfile"):  # launch.run's host checks, before a run fails each
-        lr = _launch()
-        nodes = lr.plan_nodes(o["hostfile"], int(o.get("num_nodes", -1)), int(o.get("num_gpus", -1)))
-        lr.check_hosts(o["hostfile"], nodes, o.get("master_addr"), None,
-                       keys=("launcher_options.hostfile", "launcher_options.master_addr"))
     # Every run is checked before any data is prepared (a later variant's bad value must not wait
     # for, or follow, an earlier one's prepare), then the data is prepared.
     for prepare in (False, True) if prepare_data else (False,):
@@ -544,6 +538,13 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
                 raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
         if not prepare:
             check_matched_flops(exp, [*runs, *_matched_left_out(exp, runs, extra, world)])
+            o = exp.options
+            # launch.run's host checks, before each run fails them at its start (a grid all done launches nothing)
+            if exp.launcher == "deepspeed" and o.get("hostfile") and any(r.status != "done" for r in runs):
+                lr = _launch()
+                nodes = lr.plan_nodes(o["hostfile"], int(o.get("num_nodes", -1)), int(o.get("num_gpus", -1)))
+                lr.check_hosts(o["hostfile"], nodes, o.get("master_addr"), None,
+                               keys=("launcher_options.hostfile", "launcher_options.master_addr"))
 
 
 def _matched_left_out(exp: Experiment, runs: list[GridRun], extra: list[str] | None, world: int) -> list[GridRun]:

@@ -625,7 +625,7 @@ MUTANTS = [
     ("validate-only refuses a loopback first host", "launch/run.py",
      "a.no_ssh, loopback=not a.validate_only)", "a.no_ssh, loopback=True)", ["tests/test_launch.py"]),
     ("compare --dry-run skips launch.run's host checks", "mode/compare.py",
-     'if exp.launcher == "deepspeed" and o.get("hostfile"):', "if False:", ["tests/test_compare.py"]),
+     'if exp.launcher == "deepspeed" and o.get("hostfile") and any(', "if False and any(", ["tests/test_compare.py"]),
     ("a loopback first host refused with --master_addr", "launch/run.py",
      "len(nodes) > 1 and not master_addr and", "len(nodes) > 1 and", ["tests/test_launch.py"]),
     ("the continue hint at another world size", "mode/train.py",

@@ -255,8 +255,8 @@ def test_predictor_loss_does_not_change_lm_gradients(monkeypatch):
 
 def test_predictor_gemms_run_in_the_streams_dtype_and_train_its_fp32_weights():
     """Bug caught: under bf16 the predictor (fp32 master weights, mode.engine.PredictorAdamW) cast
-    the stream up and ran its d x d/2 GEMMs in fp32 on every token: on a GPU about the inner
-    unit's cost at capacity 0.125 (benchmarks/bench_predictor.py). Now bf16 GEMMs; the logits
+    the stream up and ran its d x d/2 GEMMs in fp32 on every token (~1/6 of the inner unit's FLOPs
+    at capacity 0.125, at fp32 GEMM speed; benchmarks/bench_predictor.py). Now bf16 GEMMs; the logits
     agree with a float64 reference to bf16 rounding, the fp32 weights get fp32 gradients, and
     the stream none (stop-gradient)."""
     from torch.utils._python_dispatch import TorchDispatchMode
