@@ -33,7 +33,7 @@ alive() {
   local pid
   [[ -f $1 ]] && pid="$(cat "$1")" && [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
   [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$(basename "$1" .pid)" ]] \
-    && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$DIR"
+    && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$DIR/"
 }
 wait_for() {  # wait_for SECONDS CMD...: poll until CMD succeeds
   local end=$((SECONDS + $1)); shift
