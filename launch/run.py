@@ -134,19 +134,18 @@ def is_loopback(host: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def check_hosts(hostfile: str | None, nodes: list[tuple[str, int]], master_addr: str | None, backend: str | None,
-                no_ssh: bool = False, loopback: bool = True, keys: tuple[str, str] = ("--hostfile", "--master_addr")
-                ) -> None:
+def check_hosts(hostfile: str | None, nodes: list[tuple[str, int]], master_addr: str | None, pdsh: bool,
+                loopback: bool = True, keys: tuple[str, str] = ("--hostfile", "--master_addr")) -> None:
     """A multi-node launch's checks of this node's side, made by the launch and by `mode compare`
-    (--dry-run too): a loopback first host without a master address, and the paths pdsh passes
-    unquoted. `keys`: what the caller calls the hostfile and the master address."""
+    (--dry-run too): a loopback first host without a master address, and (`pdsh`: the ranks start
+    over pdsh) the paths pdsh passes unquoted. `keys`: what the caller calls the hostfile and the
+    master address."""
     if loopback and hostfile and len(nodes) > 1 and not master_addr and is_loopback(nodes[0][0]):
         raise _err(keys[0], hostfile, f"a first host (node 0: the master address of the {len(nodes)} "
                    f"nodes) the other nodes can reach; {nodes[0][0]} is each node's own loopback: list node 0 "
                    f"by a name the other nodes resolve to it, or pass {keys[1]} <node 0's address>")
-    if hostfile and not no_ssh and len(nodes) > 1 and backend in (None, "pdsh"):
-        # DeepSpeed's pdsh runner sends `cd <cwd>; <python> ...` unquoted: with a space, the remote
-        # `cd` failed and the ranks trained in $HOME, exit 0
+    if pdsh:  # DeepSpeed's pdsh runner sends `cd <cwd>; <python> ...` unquoted: with a space, the
+        # remote `cd` failed and the ranks trained in $HOME, exit 0
         for what, path in (("the working directory", os.getcwd()), ("the python", sys.executable)):
             if not re.fullmatch(r"[\w@+=:,./-]+", path):
                 raise _err(what, path, "a path without spaces or shell-special characters for a pdsh launch "
@@ -501,10 +500,10 @@ def main(argv=None) -> int:
         n_nodes = max(1, a.num_nodes) if a.launcher == "torchrun" else len(nodes)
         if a.node_rank is not None and not 0 <= a.node_rank < n_nodes:
             raise _err("--node_rank", a.node_rank, f"this node's rank, 0 <= R < {n_nodes} (the number of nodes)")
-        # (slurm.sbatch validates without a master address: the loopback rule is for a launch)
-        check_hosts(a.hostfile, nodes, a.master_addr, backend, a.no_ssh, loopback=not a.validate_only)
         multinode = bool(a.hostfile) and not a.no_ssh and len(nodes) > 1
         pdsh = multinode and backend in (None, "pdsh")  # over ssh, through pdsh and the remote shell
+        # (slurm.sbatch validates without a master address: the loopback rule is for a launch)
+        check_hosts(a.hostfile, nodes, a.master_addr, pdsh, loopback=not a.validate_only)
         if multinode and not a.dry_run and not a.validate_only:  # before anything is prepared or started
             check_tools(a.hostfile, len(nodes), backend or "pdsh")
         # the user's env files count only where DeepSpeed would read them: a multi-node launch

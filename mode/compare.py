@@ -538,13 +538,19 @@ def validate(exp: Experiment, runs: list[GridRun], prepare_data: bool = True, ex
                 raise ConfigError("variant", msg=f"variant {r.variant} (seed {r.seed}, {r.config}): {text}") from None
         if not prepare:
             check_matched_flops(exp, [*runs, *_matched_left_out(exp, runs, extra, world)])
-            o = exp.options
-            # launch.run's host checks, before each run fails them at its start (a grid all done launches nothing)
-            if exp.launcher == "deepspeed" and o.get("hostfile") and any(r.status != "done" for r in runs):
-                lr = _launch()
-                nodes = lr.plan_nodes(o["hostfile"], int(o.get("num_nodes", -1)), int(o.get("num_gpus", -1)))
-                lr.check_hosts(o["hostfile"], nodes, o.get("master_addr"), None,
-                               keys=("launcher_options.hostfile", "launcher_options.master_addr"))
+            if any(r.status != "done" for r in runs):  # a grid all done launches nothing
+                check_launch_hosts(exp)
+
+
+def check_launch_hosts(exp: Experiment) -> None:
+    """launch.run's host checks of a deepspeed grid with a hostfile, before each run fails them at its
+    start. Its runs go over pdsh (compare passes no --no_ssh and no other backend)."""
+    o = exp.options
+    if exp.launcher == "deepspeed" and o.get("hostfile"):
+        lr = _launch()
+        nodes = lr.plan_nodes(o["hostfile"], int(o.get("num_nodes", -1)), int(o.get("num_gpus", -1)))
+        lr.check_hosts(o["hostfile"], nodes, o.get("master_addr"), pdsh=len(nodes) > 1,
+                       keys=("launcher_options.hostfile", "launcher_options.master_addr"))
 
 
 def _matched_left_out(exp: Experiment, runs: list[GridRun], extra: list[str] | None, world: int) -> list[GridRun]:

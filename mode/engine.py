@@ -238,9 +238,10 @@ class PredictorAdamW:
     settings and current learning rate, without weight decay (as routers), on fp32 weights also under
     bf16 (their GEMMs run in the stream's dtype, mode/routing/depth.py). Data parallel: at ZeRO 0 the
     engine all-reduces every module gradient, these included; ZeRO 1/2 reduce only their own
-    partitions, so here one all-reduce of the flattened predictor gradients averages them. Steps before the engine's step (which drops
-    every module gradient) on its own finite gradients; non-finite ones are dropped, no update
-    (fused AdamW's found_inf: the step reads nothing back to the host)."""
+    partitions, so here one all-reduce of the flattened predictor gradients averages them. Steps
+    before the engine's step (which drops every module gradient) on its own finite gradients;
+    non-finite ones are dropped, no update (fused AdamW's found_inf: the step reads nothing back to
+    the host)."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.params = predictor_params(model)

@@ -1411,7 +1411,8 @@ def test_a_checkpoint_of_another_config_or_data_is_refused_before_workers_start(
     (run / "config.yaml").write_text(dump_config(done))
     preflight(done, lock=False)
     with pytest.raises(ConfigError, match="step_00000008 was trained on other data"):  # not finished: refused
-        preflight(load_config(ROOT / "configs/tiny/dense.yaml", [*over, "train.max_steps=9", "train.allow_schedule_change=true"]), lock=False)
+        preflight(load_config(ROOT / "configs/tiny/dense.yaml",
+                              [*over, "train.max_steps=9", "train.allow_schedule_change=true"]), lock=False)
 
 
 @pytest.mark.slow
