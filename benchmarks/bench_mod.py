@@ -17,6 +17,7 @@ Two conventions for attention (scores + values, n = tokens processed), two FLOP 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import sys
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mode.config import ModConfig, ModelConfig  # noqa: E402
+from mode.engine import compile_blocks  # noqa: E402
 from mode.mod import MoDBlock  # noqa: E402
 from mode.model import build_model  # noqa: E402
 from mode.model.blocks import DenseBlock  # noqa: E402
@@ -45,6 +47,19 @@ def block_flops(S: int, D: int, F: int, k: int | None = None, causal: bool = Fal
         return 3 * fwd
     router, predictor = S * 2 * D, S * (2 * D * (D // 2) + 2 * (D // 2))
     return 3 * (fwd + router) + 2 * predictor
+
+
+COMPILE = False  # --compile: every timed module is torch.compile'd, as train.compile compiles blocks
+
+
+def timed(module: torch.nn.Module) -> torch.nn.Module:
+    """The module as the benchmark times it: itself in eager mode; with --compile a compiled copy (its
+    own graphs per module, the same weights), compiled in place as mode.engine.compile_blocks does."""
+    if not COMPILE:
+        return module
+    module = copy.deepcopy(module)
+    module.compile(dynamic=False)
+    return module
 
 
 def timeit_interleaved(fns, reps: int, warmup: int = 1) -> list[float]:
@@ -70,6 +85,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
     cfg = ModelConfig(d_model=D, n_heads=H, d_ff=F, max_seq_len=max(seqs))
     torch.manual_seed(0)
     dense = DenseBlock(cfg)
+    dense_t, inner_t = timed(dense), timed(dense)
     rows = []
     for S in seqs:
         B = max(1, tokens // S)
@@ -78,12 +94,12 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
         pos_BS = torch.arange(S).expand(B, S)
 
         def step_dense():
-            y = x_BSD + dense(x_BSD, Ctx(pos_BS))
+            y = x_BSD + dense_t(x_BSD, Ctx(pos_BS))
             y.backward(gy_BSD)
 
         for c in caps:
             # The same inner block: only the routing differs.
-            mod = MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0)
+            mod = timed(MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0))
 
             def step_mod():
                 y = x_BSD + mod(x_BSD, Ctx(pos_BS))
@@ -95,7 +111,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
 
             def step_inner():
-                dense(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
+                inner_t(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
 
             t_dense, t_mod, t_inner = timeit_interleaved([step_dense, step_mod, step_inner], reps)
             limit = block_flops(S, D, F) / block_flops(S, D, F, k)
@@ -103,6 +119,53 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             rows.append((S, B, c, t_dense * 1e3, t_mod * 1e3, t_inner * 1e3, t_dense / t_mod, limit, limit_causal))
             print(rows[-1], file=sys.stderr)
     return rows
+
+
+def profile_mod(D, H, F, S, cap, tokens, rows=25) -> str:
+    """Where a routed block's time goes beyond the inner block: torch.profiler over 3 MoD steps
+    (forward + backward at sequence S, capacity cap), the ops sorted by self device time (CPU time
+    on a CPU), and the same for the inner block alone on the gathered tokens."""
+    cfg = ModelConfig(d_model=D, n_heads=H, d_ff=F, max_seq_len=S)
+    torch.manual_seed(0)
+    dense = DenseBlock(cfg)
+    mod = timed(MoDBlock(dense, ModConfig(layers="every", capacity=cap, causal="predictor"), D, 0))
+    dense = timed(dense)
+    B, k = max(1, tokens // S), capacity_k(cap, S)
+    x_BSD, gy_BSD, pos_BS = torch.randn(B, S, D, requires_grad=True), torch.randn(B, S, D), torch.arange(S).expand(B, S)
+    xk_BKD, gk_BKD = torch.randn(B, k, D, requires_grad=True), torch.randn(B, k, D)
+    pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
+
+    def step_mod():
+        y = x_BSD + mod(x_BSD, Ctx(pos_BS))
+        torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
+
+    def step_inner():
+        dense(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
+
+    cuda = torch.get_default_device().type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    out = []
+    for name, fn in (("MoD block", step_mod), ("inner block on the k tokens", step_inner)):
+        wall = timeit_interleaved([fn], 3, warmup=2)[0]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        ka = prof.key_averages()
+        # device ops (kernels, copies, memsets) and their busy time against the step's wall time: a
+        # device busy for a fraction of the step is waiting on the host (launches, Python)
+        dev_ops = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in dev_ops) / 3e3
+        host = sum(e.self_cpu_time_total for e in ka) / 3e3
+        summary = (f"wall {wall * 1e3:.2f} ms/step (unprofiled, best of 3); host ops {host:.2f} ms/step (profiled)"
+                   + (f"; device busy {busy:.2f} ms/step ({100 * busy / (wall * 1e3):.0f}% of wall), "
+                      f"{sum(e.count for e in dev_ops) // 3} device ops/step" if cuda else ""))
+        print(f"{name}: {summary}", file=sys.stderr)
+        out.append(f"### {name}: S {S}, B {B}, capacity {cap}, k {k}: {summary}\n")
+        out.append(ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                             row_limit=rows))
+    return "\n".join(out)
 
 
 def model_limit(S, D, F, L, V, cap=0.125, causal=False) -> float:
@@ -121,6 +184,8 @@ def bench_model(D=512, H=8, F=2048, L=4, S=1024, B=1, V=320, reps=5):
         cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, max_seq_len=S,
                           mod=ModConfig(layers=layers, capacity=0.125, causal="predictor"))
         model = build_model(cfg).train()
+        if COMPILE:
+            compile_blocks(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids_BS = torch.randint(0, V, (B, S + 1))
 
@@ -144,7 +209,7 @@ def report(runs, D, H, F, reps) -> str:
         f"## MoD block and model speed ({dev.type.upper()})",
         "",
         (f"Machine: {os.cpu_count()}-core CPU ({cpu})" if dev.type == "cpu" else
-         f"Machine: {torch.cuda.get_device_name()}") + f", torch {torch.__version__}, {torch.get_default_dtype()}. "
+         f"Machine: {torch.cuda.get_device_name()}") + f", torch {torch.__version__}, {torch.get_default_dtype()}, {'compiled' if COMPILE else 'eager'}. "
         f"Block: d_model {D}, {H} heads, SwiGLU d_ff {F}, {rows0[0][1] * rows0[0][0]} tokens per batch; "
         f"forward + backward (+ router/predictor aux loss for MoD); best of {reps} reps, dense and MoD "
         "interleaved, after warmup. FLOP limit = analytic training FLOPs dense / MoD (router and "
@@ -200,11 +265,23 @@ if __name__ == "__main__":
     ap.add_argument("--d-ff", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per block batch (B = tokens / S)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per model step (S = 1024)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every timed block (as train.compile)")
+    ap.add_argument("--seqs", default="512,1024,2048", help="comma list of sequence lengths")
+    ap.add_argument("--caps", default="0.125,0.25,0.5", help="comma list of capacities")
+    ap.add_argument("--profile", metavar="S,CAPACITY",
+                    help="only profile one MoD block vs its inner block at this sequence length and capacity")
     a = ap.parse_args()
     torch.set_default_device(a.device)
     torch.set_default_dtype({"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype])
     D, H, F = a.d_model, a.heads, a.d_ff
-    kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else {}
+    COMPILE = a.compile
+    torch._dynamo.config.cache_size_limit = 64  # one graph per (S, k) shape of the same block code
+    if a.profile:
+        S_, cap_ = a.profile.split(",")
+        print(profile_mod(D, H, F, int(S_), float(cap_), a.tokens))
+        sys.exit(0)
+    kw = dict(seqs=(1024,), caps=(0.125,)) if a.quick else dict(
+        seqs=tuple(int(v) for v in a.seqs.split(",")), caps=tuple(float(v) for v in a.caps.split(",")))
     kw["tokens"] = a.tokens
     runs = []
     default = torch.get_num_threads()

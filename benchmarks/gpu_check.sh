@@ -7,8 +7,9 @@
 #             training steps of dense and MoD (bench_speed.py)
 #   optimizer AdamW loop vs foreach vs fused, and whole steps
 #   moe       MegaBlocks vs native (vs DeepSpeed where installed) MoE layers, small and large shapes
-#   mod       MoD block speed at S = 512..2048 and the model step (CPU shape fp32, GPU shape bf16)
-# Groups: 1 = tests,bf16,compiled (390 s at most); 2 = speed,optimizer (380 s); 3 = moe,mod (400 s).
+#   mod       MoD block speed at S = 512..2048 and the model step (CPU shape fp32, GPU shape bf16), a
+#             profile of the routed block at S 2048, the predictor in bf16
+# Groups: 1 = tests,bf16,compiled (390 s at most); 2 = speed,optimizer (380 s); 3 = moe,mod (460 s).
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR] [1|2|3|all|SECTION[,SECTION...]]
 #   (logs go to OUT_DIR, default ./gpu_check_out)
 # Sections that need DeepSpeed (`mode train`, the DeepSpeed MoE layer) say so and are skipped where it
@@ -114,6 +115,9 @@ if on mod; then
   step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda
   step "$OUT/bench_mod.txt" 100 $PY benchmarks/bench_mod.py --device cuda --dtype bf16 --d-model 2048 --heads 16 \
     --d-ff 8192 --tokens 16384 --batch 8
+  # where the routing overhead (MoD minus inner, 2.6-3.8 ms a block in session 26) goes: kernels by GPU time
+  step "$OUT/bench_mod.txt" 60 $PY benchmarks/bench_mod.py --device cuda --dtype bf16 --d-model 2048 --heads 16 \
+    --d-ff 8192 --tokens 16384 --profile 2048,0.125
   # the causal predictor under bf16: fp32 GEMMs (before session 27) vs the stream's dtype (now)
   step "$OUT/bench_mod.txt" 60 $PY benchmarks/bench_predictor.py --device cuda --d-model 2048 --tokens 16384
 fi
