@@ -4,7 +4,8 @@ Layout: run.dir/checkpoints/step_00000100/ holds DeepSpeed's files (model, optim
 client state with the step), `rng_rank{r}.pt` per rank (torch, cuda, numpy, python RNG: random
 top-k and DeepSpeed's MoE draw from them; and the rank's not-yet-logged metric sums), `model.pt`
 (plain state dict for generation), `config.json` (the config it was trained with, which readers of
-model.pt check config.yaml against), `data.json` (the identity of the data it was trained on) and,
+model.pt check config.yaml against), `data.json` (the identity of the data it was trained on),
+`param_order.json` (the optimizer's parameter order, which DeepSpeed's flat state is laid out in) and,
 written last, `MANIFEST.json`: the size and SHA-256 of every other file.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 hashes the files, writes the manifest
@@ -42,6 +43,7 @@ MANIFEST = "MANIFEST.json"
 MODEL = "model.pt"  # the plain state dict that sampling, `mode eval` and `mode export` read
 CONFIG = "config.json"  # the config model.pt was trained with (config.yaml beside it can be edited)
 DATA = "data.json"  # what it was trained on (mode.prepare.data_identity): a start checks it before workers start
+PARAM_ORDER = "param_order.json"  # the optimizer's parameter order (mode.engine.param_groups): the flat state's layout
 WEIGHTS_GLOB = f"{CHECKPOINTS}/step_*/{MODEL}"  # how messages name it, relative to run.dir
 
 
@@ -367,7 +369,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int
             if rank == 0:
                 torch.save({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                             for k, v in engine.module.state_dict().items()}, tmp / MODEL)
-                for name, key in ((CONFIG, "config"), (DATA, "data")):
+                for name, key in ((CONFIG, "config"), (DATA, "data"), (PARAM_ORDER, "param_order")):
                     if key in client_state:
                         write_record(tmp, name, client_state[key])
         except Exception as e:  # noqa: BLE001 - disk full / read-only surface as many types

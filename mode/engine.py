@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mode.checkpoint import CheckpointError
 from mode.config import Config
 from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
 
@@ -206,9 +207,21 @@ def fused_adamw(model: torch.nn.Module) -> bool:
     return next(model.parameters()).device.type in ("cuda", "cpu")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+MODULE_ORDER = "module"  # param_groups' order for checkpoints written before their param_order.json
+ALIGN_ELEMS = 8  # 16 bytes of bf16 (and of fp32): the alignment inductor's GPU kernels assume of their inputs
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, order: dict | str | None = None) -> list[dict]:
     """Decay matrices; not norms, biases, embeddings or routers (scalars per token). The causal
-    predictors are not here: PredictorAdamW trains them."""
+    predictors are not here: PredictorAdamW trains them.
+
+    The order within a group is the checkpoint's layout: DeepSpeed (ZeRO 1/2, and its bf16 optimizer)
+    flattens each group into one buffer, every parameter a view at its cumulative offset, and saves its
+    optimizer state flat (torch's optimizers by index). New runs (order None) put parameters whose size
+    is not a multiple of ALIGN_ELEMS last: one-element router biases in module order put every later view
+    off 16-byte alignment, and compiled blocks at ZeRO 1/2 faulted on CUDA ('misaligned address', H200;
+    benchmarks/RESULTS.md). `order` {group name: [parameter names]} rebuilds the order a checkpoint
+    recorded (param_order.json); MODULE_ORDER, module order, is that of checkpoints written before it."""
     decay, no_decay = [], []
     own = {id(p) for p in predictor_params(model)}
     for n, p in model.named_parameters():
@@ -218,7 +231,25 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         (no_decay if skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+    groups = [g for g in groups if g["params"]]
+    if order is None:
+        for g in groups:
+            g["params"].sort(key=lambda p: p.numel() % ALIGN_ELEMS != 0)  # stable: module order otherwise
+    elif order != MODULE_ORDER:
+        by_name = dict(model.named_parameters())
+        for g in groups:
+            names, ids = order.get(g["name"], []), {id(p) for p in g["params"]}
+            if sorted(names) != sorted(n for n, p in by_name.items() if id(p) in ids):
+                raise CheckpointError(f"the checkpoint's parameter group {g['name']!r} (param_order.json) "
+                                      "holds other parameters than this model's")
+            g["params"] = [by_name[n] for n in names]
+    return groups
+
+
+def param_order(model: torch.nn.Module, groups: list[dict]) -> dict[str, list[str]]:
+    """{group name: [parameter names]} in the groups' order: the record param_groups rebuilds it from."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return {g["name"]: [name_of[id(p)] for p in g["params"]] for g in groups}
 
 
 def predictor_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -358,12 +389,13 @@ def uses_deepspeed_moe(cfg: Config) -> bool:
     return cfg.model.moe.backend == "deepspeed" and has_moe(layer_plan(cfg.model))
 
 
-def build_engine(cfg: Config, model: torch.nn.Module, world_size: int):
-    """DeepSpeed engine around the model with AdamW and warmup + cosine (both checkpointed)."""
+def build_engine(cfg: Config, model: torch.nn.Module, world_size: int, order: dict | str | None = None):
+    """DeepSpeed engine around the model with AdamW and warmup + cosine (both checkpointed); `order`:
+    param_groups' (the resumed checkpoint's)."""
     use_cpu_accelerator_without_cuda()
     import deepspeed
 
-    groups = param_groups(model, cfg.optim.weight_decay)
+    groups = param_groups(model, cfg.optim.weight_decay, order)
     if uses_deepspeed_moe(cfg):
         from mode.moe.deepspeed import moe_param_groups
 

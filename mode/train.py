@@ -55,6 +55,15 @@ def schedule_diff(old: dict, new: dict) -> dict[str, tuple]:
     return {k: (a.get(k), b.get(k)) for k in SCHEDULE_KEYS if a.get(k) != b.get(k)}
 
 
+def resume_order(last: Path | None) -> dict | str | None:
+    """The optimizer's parameter order (mode.engine.param_groups) for a start from checkpoint `last`:
+    None (a fresh start: the aligned order), the order it recorded, or module order for a checkpoint
+    written before param_order.json (its flat optimizer state is laid out in that order)."""
+    if last is None:
+        return None
+    return (ckpt.vouched_record(last, ckpt.PARAM_ORDER) or {}).get("groups", eng.MODULE_ORDER)
+
+
 def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
     """Refuse a run directory written by an incompatible config (before any worker starts).
     Returns the saved config dict when resuming."""
@@ -334,7 +343,11 @@ class Trainer:
         self.data = DataModule(cfg.data, self.rank, self.world)
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
         self.model.activation_checkpointing = cfg.train.activation_checkpointing == "block"
-        self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world)
+        # the checkpoint to resume from decides the optimizer's parameter order (its flat state's layout)
+        self.resume_from = ckpt.resume_point(self.ckpt_dir, self.rank)
+        order = resume_order(self.resume_from)
+        self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world, order)
+        self.param_order = eng.param_order(self.model, eng.param_groups(self.model, cfg.optim.weight_decay, order))
         self.pred_opt = eng.PredictorAdamW(cfg, self.model) if eng.predictor_params(self.model) else None
         self.threshold_bufs = eng.threshold_buffers(self.model)  # once: not a module walk every step
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
@@ -437,7 +450,7 @@ class Trainer:
             dist.barrier()
 
     def _resume(self) -> None:
-        last = ckpt.resume_point(self.ckpt_dir, self.rank)
+        last = self.resume_from
         if last is None:
             return
         old_ep = (self.prev_cfg or {}).get("model", {}).get("moe", {}).get("ep_size", self.cfg.model.moe.ep_size)
@@ -498,7 +511,8 @@ class Trainer:
         state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s + pending_s,
                  "world_size": self.world, "lr_steps": self.sched.last_epoch,  # skipped steps do not count
                  "consecutive_bad": self.consecutive_bad,
-                 "config": self.cfg.to_dict(), "data": data_identity(self.data.manifest)}
+                 "config": self.cfg.to_dict(), "data": data_identity(self.data.manifest),
+                 "param_order": {"groups": self.param_order}}
         if self.pred_opt:
             state["predictor_optim"] = self.pred_opt.state_dict()
         ckpt.save(self.engine, self.ckpt_dir, self.step, state, self.rank, self.cfg.checkpoint.keep,

@@ -1,11 +1,16 @@
 """Training on the DeepSpeed engine end to end: learning, exact resume, multi-process equivalence."""
 import json
+import subprocess
 
 import pytest
 
+from mode import checkpoint as ckpt
+from mode import engine as eng
+from mode.config import load_config
+from mode.model import build_model
 from mode.prepare import ByteTokenizer
 
-from tests.util import ROOT, TINY, deepspeed_train, mode_cli, scalars, side_by_side
+from tests.util import PY, ROOT, TINY, deepspeed_train, env, mode_cli, scalars, side_by_side
 
 CFG = "configs/tiny/dense.yaml"
 
@@ -384,3 +389,103 @@ def test_init_scales_residual_output_projections_by_depth():
         assert abs(std / want - 1) < 0.1, (name, std, want)
         checked += residual_out
     assert checked == 2 * cfg.n_layers  # every block's attention and MLP (or experts) output
+
+
+def _offsets(group: dict) -> list[int]:
+    """Each parameter's element offset in the flat buffer DeepSpeed makes of its group (ZeRO 1/2)."""
+    out, at = [], 0
+    for p in group["params"]:
+        out.append(at)
+        at += p.numel()
+    return out
+
+
+def test_new_runs_lay_every_parameter_but_the_odd_sized_tail_on_16_byte_alignment():
+    """Bug caught (H200, session 28): `train.compile` at ZeRO 1/2 faulted with 'misaligned address'. ZeRO
+    1/2 make each parameter a view of its group's flat buffer at the cumulative offset, and in module
+    order a one-element router bias put every later view (norm weights) off 16 bytes; with those odd
+    sizes moved last, compiled MoD trained at ZeRO 1 (bf16) and 2 (fp32) there."""
+    cfg = load_config(ROOT / "configs/tiny/mod.yaml", ["model.n_layers=4"])
+    model = build_model(cfg.model)
+    legacy = eng.param_groups(model, 0.1, eng.MODULE_ORDER)
+    assert any(off % eng.ALIGN_ELEMS for g in legacy for off, p in zip(_offsets(g), g["params"])
+               if p.numel() % eng.ALIGN_ELEMS == 0)  # the layout that faulted: an even-sized view off alignment
+    groups = eng.param_groups(model, 0.1)
+    assert [sorted(map(id, g["params"])) for g in groups] == [sorted(map(id, g["params"])) for g in legacy]
+    for g in groups:
+        sizes = [p.numel() % eng.ALIGN_ELEMS for p in g["params"]]
+        tail = next((i for i, r in enumerate(sizes) if r), len(sizes))
+        assert all(sizes[tail:])  # after the first odd size, only odd sizes
+        assert all(off % eng.ALIGN_ELEMS == 0 for off in _offsets(g)[:tail + 1])
+    assert any(p.numel() == 1 for g in groups for p in g["params"])  # the router biases are there, last
+
+
+def test_param_groups_rebuild_a_recorded_order_and_refuse_another_models():
+    model = build_model(load_config(ROOT / "configs/tiny/mod.yaml", []).model)
+    groups = eng.param_groups(model, 0.1)
+    record = eng.param_order(model, groups)
+    assert record != eng.param_order(model, eng.param_groups(model, 0.1, eng.MODULE_ORDER))
+    shuffled = {name: names[::-1] for name, names in record.items()}
+    again = eng.param_groups(model, 0.1, shuffled)
+    assert eng.param_order(model, again) == shuffled
+    assert [g["weight_decay"] for g in again] == [g["weight_decay"] for g in groups]
+    with pytest.raises(ckpt.CheckpointError, match="param_order.json"):
+        eng.param_groups(model, 0.1, {**record, "no_decay": record["no_decay"][:-1]})
+
+
+def test_a_checkpoint_without_param_order_json_resumes_in_module_order(tmp_path):
+    """The choice the slow test below checks end to end, on checkpoint directories as written."""
+    from mode.train import resume_order
+
+    old, new = tmp_path / "step_00000003", tmp_path / "step_00000006"
+    record = {"decay": ["a"], "no_decay": ["b", "c"]}
+    for d in (old, new):
+        d.mkdir()
+        ckpt.write_record(d, ckpt.CONFIG, {})
+    ckpt.write_record(new, ckpt.PARAM_ORDER, {"groups": record})
+    for d in (old, new):
+        ckpt.write_manifest(d, ckpt.step_of(d))
+    assert resume_order(None) is None  # a fresh start: the aligned order
+    assert resume_order(old) == eng.MODULE_ORDER
+    assert resume_order(new) == record
+
+
+# A trainer as it was before checkpoints recorded param_order.json: the optimizer in module order.
+MODULE_ORDER_TRAINER = """import sys
+import mode.engine as e
+groups = e.param_groups
+e.param_groups = lambda model, wd, order=None: groups(model, wd, e.MODULE_ORDER)
+from mode.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_param_order_json_resumes_exactly_in_module_order(tmp_path):
+    """New runs lay the optimizer out in another order (odd sizes last, above); DeepSpeed's ZeRO 1
+    checkpoint holds its fp32 weights and moments as flat partitions in the order they were written.
+    A checkpoint without param_order.json must be resumed in module order: in the new order the
+    same-sized flat state loads silently scrambled."""
+    prepared = tmp_path / "prepared"
+    mode_cli("data", "prepare", "--config", "configs/tiny/mod.yaml", *TINY, f"data.prepared_dir={prepared}")
+    args = ["train", "--config", "configs/tiny/mod.yaml", *COMMON, "train.micro_batch_size=4", "train.grad_accum=2",
+            "deepspeed.zero_stage=1", f"data.prepared_dir={prepared}"]
+
+    def old_trainer(*overrides):
+        subprocess.run([PY, "-c", MODULE_ORDER_TRAINER, *args, *overrides], cwd=ROOT, env=env(1), check=True,
+                       capture_output=True, timeout=600)
+
+    side_by_side(lambda: old_trainer(f"run.dir={tmp_path / 'straight'}"),
+                 lambda: old_trainer("train.stop_at=6", f"run.dir={tmp_path / 'resumed'}"))
+    for d in ckpt.complete_checkpoints(tmp_path / "resumed" / "checkpoints"):  # as the old code wrote them
+        (d / ckpt.PARAM_ORDER).unlink()
+        ckpt.write_manifest(d, ckpt.step_of(d))
+    mode_cli(*args, f"run.dir={tmp_path / 'resumed'}", threads=1)
+    for tag in ("train/loss", "eval/loss"):
+        a, b = scalars(tmp_path / "straight", tag), scalars(tmp_path / "resumed", tag)
+        assert a and a == b, (tag, a, b)  # bit for bit
+    # ... and the checkpoints it writes from there record that order, so every later resume keeps it
+    final = ckpt.latest(tmp_path / "resumed" / "checkpoints")
+    record = json.loads((final / ckpt.PARAM_ORDER).read_text())["groups"]
+    model = build_model(load_config(ROOT / "configs/tiny/mod.yaml", TINY).model)
+    assert record == eng.param_order(model, eng.param_groups(model, 0.1, eng.MODULE_ORDER))
