@@ -378,3 +378,24 @@ def test_a_model_built_on_a_cuda_default_device_has_the_cpu_builds_weights():
     assert ref.keys() == got.keys()
     for k, v in ref.items():
         assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero, precision", [(1, "bf16"), (2, "fp32")])
+def test_compiled_mod_trains_on_cuda_at_zero_1_and_2(tmp_path, zero, precision):
+    """On an H200 `mode train` with train.compile=true at ZeRO 1/2 stopped in its first step with
+    'CUDA error: misaligned address': inductor's kernels assume 16-byte aligned parameters, and ZeRO
+    1/2's flat-buffer views sat off alignment after a one-element router bias (mode.engine.param_groups
+    now puts such sizes last). The run must finish."""
+    import subprocess
+
+    from tests.util import PY, ROOT, TINY, env
+
+    pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    r = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/mod.yaml", *TINY, "train.compile=true",
+                        f"deepspeed.zero_stage={zero}", f"deepspeed.precision={precision}", "train.max_steps=4",
+                        "train.eval_every=4", f"run.dir={run}"], cwd=ROOT,
+                       env={k: v for k, v in env(4).items() if k != "DS_ACCELERATOR"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and (run / "DONE").exists(), r.stderr[-3000:]
