@@ -424,7 +424,7 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     """With `skip`: stop after this many non-finite steps in a row (the count is checkpointed: a resume continues it)."""
     compile: bool = False
-    """torch.compile each block (per-block, as torchtitan); off until it is faster everywhere it runs (benchmarks/RESULTS.md). Any ZeRO stage: the optimizer's parameter order keeps DeepSpeed's flat-buffer views 16-byte aligned (mode.engine.param_groups)."""
+    """torch.compile each block (per-block, as torchtitan); off until it is faster everywhere it runs (benchmarks/RESULTS.md). Any ZeRO stage: the optimizer's parameter order keeps DeepSpeed's flat-buffer views 16-byte aligned (mode.engine.param_groups; at ZeRO 1/2 model.d_model must be a multiple of 8, and a run resumed from a checkpoint written before param_order.json is refused where its layout is not aligned)."""
     activation_checkpointing: str = "none"
     """`none`, or `block`: keep only each block's input for backward and recompute the block (less activation memory, ~1 extra forward)."""
     allow_schedule_change: bool = False
@@ -579,6 +579,11 @@ class Config:
         if moe.backend == "megablocks":
             _check(self.deepspeed.precision == "bf16", "deepspeed.precision", self.deepspeed.precision,
                    "bf16 with model.moe.backend=megablocks (its grouped GEMM is bf16-only)")
+        if self.train.compile and self.deepspeed.zero_stage > 0:  # mode.engine.check_compile_alignment
+            _check(self.model.d_model % 8 == 0, "model.d_model", self.model.d_model,
+                   f"a multiple of 8 with train.compile=true at deepspeed.zero_stage={self.deepspeed.zero_stage} "
+                   "(DeepSpeed's flat buffers put parameters of other sizes off the 16-byte alignment compiled "
+                   "blocks assume on CUDA)")
         if world_size is not None and moe.backend == "deepspeed":
             _check(world_size % moe.ep_size == 0, "model.moe.ep_size", moe.ep_size,
                    f"a divisor of the world size {world_size}")

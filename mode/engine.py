@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mode.checkpoint import CheckpointError
-from mode.config import Config
+from mode.config import Config, ConfigError
 from mode.moe.deepspeed import use_cpu_accelerator_without_cuda
 
 
@@ -215,9 +215,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, order: dict | str 
     """Decay matrices; not norms, biases, embeddings or routers (scalars per token). The causal
     predictors are not here: PredictorAdamW trains them.
 
-    The order within a group is the checkpoint's layout: DeepSpeed (ZeRO 1/2, and its bf16 optimizer)
-    flattens each group into one buffer, every parameter a view at its cumulative offset, and saves its
-    optimizer state flat (torch's optimizers by index). New runs (order None) put parameters whose size
+    The order within a group is the checkpoint's layout: at ZeRO 1/2 DeepSpeed flattens each group into
+    one buffer, every parameter a view at its cumulative offset, and saves its optimizer state flat; at
+    ZeRO 0 the optimizers save theirs by index. New runs (order None) put parameters whose size
     is not a multiple of ALIGN_ELEMS last: one-element router biases in module order put every later view
     off 16-byte alignment, and compiled blocks at ZeRO 1/2 faulted on CUDA ('misaligned address', H200;
     benchmarks/RESULTS.md). `order` {group name: [parameter names]} rebuilds the order a checkpoint
@@ -244,6 +244,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float, order: dict | str 
                                       "holds other parameters than this model's")
             g["params"] = [by_name[n] for n in names]
     return groups
+
+
+def check_compile_alignment(cfg: Config, model: torch.nn.Module) -> None:
+    """Compiled blocks assume 16-byte aligned parameters (inductor's GPU kernels); in DeepSpeed's flat
+    buffers (ZeRO 1/2) a parameter is aligned only where param_groups' order puts it so. One line, on
+    every device (the layout is the same on a CPU, where it does not fault), naming the first one."""
+    if not cfg.train.compile:
+        return
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    off = [n for n, p in model.named_parameters() if id(p) in in_blocks and p.numel() > 1 and p.data_ptr() % 16]
+    if off:
+        raise ConfigError("train.compile", msg=(
+            f"train.compile=True: {len(off)} block parameters ({off[0]}, ...) sit off 16-byte alignment in "
+            f"DeepSpeed's flat buffers at deepspeed.zero_stage={cfg.deepspeed.zero_stage}, and compiled blocks "
+            "fault there on CUDA ('misaligned address'); a run resumed from a checkpoint written before "
+            "param_order.json keeps that layout: train.compile=false"))
 
 
 def param_order(model: torch.nn.Module, groups: list[dict]) -> dict[str, list[str]]:

@@ -55,13 +55,20 @@ def schedule_diff(old: dict, new: dict) -> dict[str, tuple]:
     return {k: (a.get(k), b.get(k)) for k in SCHEDULE_KEYS if a.get(k) != b.get(k)}
 
 
-def resume_order(last: Path | None) -> dict | str | None:
+def resume_order(last: Path | None, same_layout: bool = True) -> dict | str | None:
     """The optimizer's parameter order (mode.engine.param_groups) for a start from checkpoint `last`:
-    None (a fresh start: the aligned order), the order it recorded, or module order for a checkpoint
-    written before param_order.json (its flat optimizer state is laid out in that order)."""
-    if last is None:
+    None (the aligned order) for a fresh start or a weights-only load (another model.moe.ep_size: the
+    optimizer state restarts, and the expert parameters' names differ), else the order it recorded, or
+    module order for a checkpoint written before param_order.json (its flat optimizer state is laid
+    out in that order)."""
+    if last is None or not same_layout:
         return None
     return (ckpt.vouched_record(last, ckpt.PARAM_ORDER) or {}).get("groups", eng.MODULE_ORDER)
+
+
+def saved_ep_size(saved: dict | None, cfg: Config) -> int:
+    """The model.moe.ep_size the run being resumed was trained at (this config's for a fresh start)."""
+    return (saved or {}).get("model", {}).get("moe", {}).get("ep_size", cfg.model.moe.ep_size)
 
 
 def check_run_dir(cfg: Config, lock: bool = True) -> dict | None:
@@ -343,11 +350,16 @@ class Trainer:
         self.data = DataModule(cfg.data, self.rank, self.world)
         self.model = eng.prepare_model(cfg, build_model(cfg.model).to(self.dev), self.dev)
         self.model.activation_checkpointing = cfg.train.activation_checkpointing == "block"
-        # the checkpoint to resume from decides the optimizer's parameter order (its flat state's layout)
+        # the checkpoint to resume from decides the optimizer's parameter order (its flat state's
+        # layout): rank 0 reads it, every rank builds the groups it names
         self.resume_from = ckpt.resume_point(self.ckpt_dir, self.rank)
-        order = resume_order(self.resume_from)
-        self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world, order)
-        self.param_order = eng.param_order(self.model, eng.param_groups(self.model, cfg.optim.weight_decay, order))
+        self.same_layout = saved_ep_size(saved, cfg) == cfg.model.moe.ep_size
+        box = [resume_order(self.resume_from, self.same_layout) if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.param_order = eng.param_order(self.model, eng.param_groups(self.model, cfg.optim.weight_decay, box[0]))
+        self.engine, self.opt, self.sched = eng.build_engine(cfg, self.model, self.world, self.param_order)
+        eng.check_compile_alignment(cfg, self.model)
         self.pred_opt = eng.PredictorAdamW(cfg, self.model) if eng.predictor_params(self.model) else None
         self.threshold_bufs = eng.threshold_buffers(self.model)  # once: not a module walk every step
         torch.manual_seed(cfg.train.seed * 7919 + self.rank)  # training randomness differs per rank
@@ -453,8 +465,7 @@ class Trainer:
         last = self.resume_from
         if last is None:
             return
-        old_ep = (self.prev_cfg or {}).get("model", {}).get("moe", {}).get("ep_size", self.cfg.model.moe.ep_size)
-        same_layout = old_ep == self.cfg.model.moe.ep_size
+        old_ep, same_layout = saved_ep_size(self.prev_cfg, self.cfg), self.same_layout
         if not same_layout:
             warnings.warn(f"resuming {last} at model.moe.ep_size={self.cfg.model.moe.ep_size} (saved at {old_ep}): "
                           "weights are loaded, the optimizer state restarts, the LR schedule goes on")

@@ -49,6 +49,8 @@ OVERRIDES = [
     ("model.moe.backend=triton", ["model.moe.backend=triton"]),
     ("model.moe.ep_size=3", ["model.moe.backend=deepspeed", "model.moe.ep_size=3"]),
     ("model.moe.ep_size=2 native", ["model.moe.ep_size=2"]),
+    ("model.d_model=36 compiled at ZeRO 1", ["train.compile=true", "deepspeed.zero_stage=1", "model.d_model=36",
+                                             "model.n_heads=2"]),
     ("megablocks on CPU", ["model.moe.layers=every", "model.moe.backend=megablocks", "deepspeed.precision=bf16"]),
     ("model.d_model.x=5", ["model.d_model.x=5"]),
     ("model.foo=1", ["model.foo=1"]),

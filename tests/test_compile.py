@@ -391,9 +391,28 @@ def test_compiled_mod_trains_on_cuda_at_zero_1_and_2(tmp_path, zero, precision):
 
     from tests.util import PY, ROOT, TINY, env
 
+    from mode import engine as eng
+    from mode.config import load_config
+
     pytest.importorskip("deepspeed")
+    tiny = [*TINY, "model.n_layers=4"]  # layer 1's router bias put layers 2-3's norm weights off alignment
+    model = build_model(load_config(ROOT / "configs/tiny/mod.yaml", tiny).model)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+
+    def misaligned(groups):  # block parameters (not one-element biases) off 16 bytes in a flat buffer
+        out = []
+        for g in groups:
+            at = 0
+            for p in g["params"]:
+                if at % 8 and p.numel() > 1 and id(p) in in_blocks:
+                    out.append(p)
+                at += p.numel()
+        return out
+
+    assert misaligned(eng.param_groups(model, 0.1, eng.MODULE_ORDER))  # the layout that faulted
+    assert not misaligned(eng.param_groups(model, 0.1))
     run = tmp_path / "run"
-    r = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/mod.yaml", *TINY, "train.compile=true",
+    r = subprocess.run([PY, "-m", "mode.cli", "train", "--config", "configs/tiny/mod.yaml", *tiny, "train.compile=true",
                         f"deepspeed.zero_stage={zero}", f"deepspeed.precision={precision}", "train.max_steps=4",
                         "train.eval_every=4", f"run.dir={run}"], cwd=ROOT,
                        env={k: v for k, v in env(4).items() if k != "DS_ACCELERATOR"}, capture_output=True, text=True,

@@ -230,3 +230,15 @@ def test_a_variant_key_with_nothing_to_act_on_is_refused(config, overrides, line
                                                  "model.mod.gate=sigmoid", "model.mod.routing=stochastic"])
     load_config(ROOT / "configs/tiny/mode_integrated.yaml")
     load_config(ROOT / "configs/tiny/mode_integrated.yaml", ["model.moe.num_noop_experts=0"])  # an ablation
+
+
+def test_compiled_blocks_at_zero_1_need_a_d_model_that_keeps_their_views_aligned():
+    """At ZeRO 1/2 a parameter is a view at its cumulative offset in DeepSpeed's flat buffer: a d_model
+    that is not a multiple of 8 puts norm weights off the 16-byte alignment compiled blocks assume on
+    CUDA (mode.engine.param_groups aligns only multiples of 8). Refused at load, on every device."""
+    bad = ["train.compile=true", "deepspeed.zero_stage=1", "model.d_model=36", "model.n_heads=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/tiny/mod.yaml", bad)
+    assert str(e.value).startswith("config error: model.d_model=36: a multiple of 8 with train.compile=true")
+    assert load_config(ROOT / "configs/tiny/mod.yaml", bad[1:]).model.d_model == 36  # eager: any size
+    assert load_config(ROOT / "configs/tiny/mod.yaml", ["train.compile=true", "model.d_model=36", "model.n_heads=2"])
