@@ -9,9 +9,9 @@ file without a word. Merge rules for resumed runs:
   resume in run_info.json (`resumes`: step, train/tokens_seen, train/flops_seen, wall time). A
   point written before a resume past its position is the stopped process's (logged after its
   last checkpoint, never trained by the run that goes on): dropped. The position is the step, or
-  for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen, their step axes. TensorBoard's
-  own view still shows those points (its purge, a SessionLog.START at a step, would drop every
-  tokens- and FLOPs-axis point, so the trainer writes none);
+  for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen, their step axes. The trainer also
+  rewrites the event files without them when it resumes (mode.loggers.drop_events_after), so that
+  TensorBoard's own view has none either; runs resumed before it did still hold them;
 - per (tag, step) the point with the latest wall time wins (ties: the later file / later
   record): re-logged steps of runs written without a START;
 - a half-written or damaged last record (a run killed mid-write) ends the file silently; a
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +34,9 @@ import numpy as np
 import yaml
 
 from mode.config import EXECUTION_KEYS, flatten
+from mode.loggers import EVENT_GLOB, event_records
 from mode.routed import TRAIN_FLOPS_PER_FORWARD_FLOP  # noqa: F401  (the trainer's convention; report/isoflop use it)
 
-EVENT_GLOB = "events.out.tfevents.*"
 _SEED_SUFFIX = re.compile(r"^(?P<variant>.+?)[_-]seed(?P<seed>\d+)$")
 
 
@@ -150,42 +149,6 @@ def event_files(tb_dir: str | Path) -> list[Path]:
     return sorted(files, key=created)
 
 
-_LENGTH_CRC = struct.Struct("<QI")  # a TFRecord: u64 length, masked crc32c of it, payload, masked crc32c of payload
-
-
-def _records(path: Path, damage: list[tuple[int, int]]) -> Iterator[bytes]:
-    """The record payloads of one event file, in order. A record that fails its checks is skipped:
-    the reading resumes at the next offset holding a record whose length and payload CRCs check,
-    and (offset, bytes skipped) is appended to `damage`. With no such record after it, the bad
-    bytes are the tail of a run killed mid-write: the file ends there, silently."""
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    data = Path(path).read_bytes()
-    n = len(data)
-
-    def payload_end(p: int) -> int | None:
-        if p + 16 > n:
-            return None
-        length, crc = _LENGTH_CRC.unpack_from(data, p)
-        end = p + 12 + length
-        if end + 4 > n or masked_crc32c(data[p:p + 8]) != crc:  # the cheap length bound first (resync scans)
-            return None
-        return end if masked_crc32c(data[p + 12:end]) == struct.unpack_from("<I", data, end)[0] else None
-
-    pos = 0
-    while pos < n:
-        end = payload_end(pos)
-        if end is None:
-            nxt = next((p for p in range(pos + 1, n - 15) if payload_end(p) is not None), None)
-            if nxt is None:
-                return
-            damage.append((pos, nxt - pos))
-            pos = nxt
-            continue
-        yield data[pos + 12:end]
-        pos = end + 4
-
-
 def _events(path: Path, damage: list[tuple[int, int]]):
     """Event protos of one file through tensorboard's read-time compat layers (as EventFileLoader:
     legacy `simple_value` summaries of torch's SummaryWriter become tensors)."""
@@ -194,7 +157,7 @@ def _events(path: Path, damage: list[tuple[int, int]]):
     from tensorboard.compat.proto import event_pb2
 
     initial_metadata: dict = {}
-    for record in _records(path, damage):
+    for record in event_records(path, damage):
         try:
             event = event_pb2.Event.FromString(record)
         except DecodeError:  # checks but is no Event: not a TensorBoard record
@@ -239,7 +202,7 @@ def _damage_line(path: Path, damage: list[tuple[int, int]]) -> str:
 
 def iter_scalar_events(path: str | Path, damaged: list[str] | None = None) -> Iterator[tuple[str, int, float, float]]:
     """(tag, step, value, wall_time) for every scalar in one event file, in file order. A damaged
-    record in the middle is skipped and the file named in `damaged` (see _records)."""
+    record in the middle is skipped and the file named in `damaged` (see mode.loggers.event_records)."""
     damage: list[tuple[int, int]] = []
     for event in _events(Path(path), damage):
         for tag, value in _scalars(event):

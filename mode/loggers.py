@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -25,8 +27,7 @@ def drop_rows_after(path: Path, step: int) -> None:
     not the run's (the resumed run logs those steps again, or stops short of them, or logs others
     under another log_every); removed, so that metrics.jsonl holds the uninterrupted run's series.
     A torn last line (a kill mid-write) goes too; a line that does not parse is kept as it is.
-    TensorBoard's files are not rewritten: `mode analyze` drops those points by run_info.json's
-    `resumes`, TensorBoard's own view still shows them."""
+    TensorBoard's files: drop_events_after."""
     from mode.rundir import write_atomic
 
     try:
@@ -45,17 +46,107 @@ def _row_after(line: str, step: int) -> bool:
         return False
 
 
+EVENT_GLOB = "events.out.tfevents.*"
+_LENGTH_CRC = struct.Struct("<QI")  # a TFRecord: u64 length, masked crc32c of it, payload, masked crc32c of payload
+
+
+def event_records(path: Path, damage: list[tuple[int, int]]) -> Iterator[bytes]:
+    """The record payloads of one event file, in order. A record that fails its checks is skipped:
+    the reading resumes at the next offset holding a record whose length and payload CRCs check,
+    and (offset, bytes skipped) is appended to `damage`. With no such record after it, the bad
+    bytes are the tail of a run killed mid-write: the file ends there, silently."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data = Path(path).read_bytes()
+    n = len(data)
+
+    def payload_end(p: int) -> int | None:
+        if p + 16 > n:
+            return None
+        length, crc = _LENGTH_CRC.unpack_from(data, p)
+        end = p + 12 + length
+        if end + 4 > n or masked_crc32c(data[p:p + 8]) != crc:  # the cheap length bound first (resync scans)
+            return None
+        return end if masked_crc32c(data[p + 12:end]) == struct.unpack_from("<I", data, end)[0] else None
+
+    pos = 0
+    while pos < n:
+        end = payload_end(pos)
+        if end is None:
+            nxt = next((p for p in range(pos + 1, n - 15) if payload_end(p) is not None), None)
+            if nxt is None:
+                return
+            damage.append((pos, nxt - pos))
+            pos = nxt
+            continue
+        yield data[pos + 12:end]
+        pos = end + 4
+
+
+def _framed(payload: bytes) -> bytes:
+    """One TFRecord, as TensorBoard's writer frames it (event_records reads it back)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    head = struct.pack("<Q", len(payload))
+    return head + struct.pack("<I", masked_crc32c(head)) + payload + struct.pack("<I", masked_crc32c(payload))
+
+
+def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int) -> None:
+    """On resume from `step` (`tokens` and `mflops` seen there): the points the stopped process logged
+    past its last checkpoint are not the run's; TensorBoard would show them beside the resumed run's,
+    two points a step. Each event file holding such points is rewritten without them (atomically),
+    by each tag's own axis: the step, or for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen
+    (TensorBoard's purge, a SessionLog.START at a step, would drop every point of those axes). A torn
+    last record (a kill mid-write) goes too; a file with damaged records before its end is left as it
+    is (`mode analyze` names it and reads around the damage)."""
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto import event_pb2
+
+    from mode.rundir import write_atomic
+
+    def past(tag: str, at: int) -> bool:
+        return at > (tokens if tag.endswith("_vs_tokens") else mflops if tag.endswith("_vs_mflops") else step)
+
+    for path in sorted(Path(tb_dir).glob(EVENT_GLOB)):
+        damage: list[tuple[int, int]] = []
+        kept, dropped = [], 0
+        for record in event_records(path, damage):
+            try:
+                event = event_pb2.Event.FromString(record)
+            except DecodeError:  # checks but is no Event: not ours to judge
+                kept.append(record)
+                continue
+            values = event.summary.value if event.HasField("summary") else []
+            keep = [v for v in values if not past(v.tag, event.step)]
+            if len(keep) != len(values):
+                dropped += len(values) - len(keep)
+                if not keep:
+                    continue
+                del event.summary.value[:]
+                event.summary.value.extend(keep)
+                record = event.SerializeToString()
+            kept.append(record)
+        if dropped and not damage:
+            write_atomic(path, b"".join(_framed(r) for r in kept))
+
+
 class Loggers:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int | None = None,
+                 resumed_seen: dict | None = None):
         """resumed_step: None for a new run, else the step this start continues the run from (0: a run
-        stopped before its first checkpoint starts over and logs from step 0 again)."""
+        stopped before its first checkpoint starts over and logs from step 0 again); resumed_seen: the
+        `train/tokens_seen` and `train/flops_seen` there (the other step axes of TensorBoard's tags)."""
         self.enabled, self.tb, self.wandb, self.jsonl, self.run_dir = enabled, None, None, None, run_dir
         if not enabled:
             return
         if resumed_step is not None:
             drop_rows_after(run_dir / "metrics.jsonl", resumed_step if resumed_step else -1)
+            if resumed_seen is not None and (run_dir / "tb").is_dir():
+                drop_events_after(run_dir / "tb", *((resumed_step, int(resumed_seen["train/tokens_seen"]),
+                                                     int(resumed_seen["train/flops_seen"] / 1e6))
+                                                    if resumed_step else (-1, -1, -1)))
         from torch.utils.tensorboard import SummaryWriter
 
         quiet_tensorboard_writer_thread()

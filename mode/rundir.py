@@ -58,12 +58,12 @@ REPORT = "report"
 KEPT_BY_FRESH = (REPORT, "eval", "wandb")
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Replace `path` whole or not at all (a crash mid-write of config.yaml would leave the run
     unresumable): write `.<name>.tmp` beside it, fsync, rename over it."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -339,7 +339,7 @@ class Trainer:
                 (self.run_dir / rundir.LOCK).unlink(missing_ok=True)  # another run's
                 rundir.remove_made(made)
             raise
-        self.log = Loggers(cfg, self.run_dir, self.rank == 0, None if saved is None else self.step)
+        self.log = Loggers(cfg, self.run_dir, self.rank == 0, None if saved is None else self.step, self.resumed)
         self._log_start(cfg, saved)
 
     def _build(self, cfg: Config, saved: dict | None) -> None:

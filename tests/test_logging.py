@@ -933,3 +933,58 @@ except OSError as e:
     r = subprocess.run([PY, "-c", code], cwd=ROOT, env=env(1), capture_output=True, text=True, timeout=300)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(tmp_path) in lines[0], r.stderr[-3000:]
+
+
+def _tb_points(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} as TensorBoard's EventAccumulator loads tb_dir, duplicates included."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def test_a_resume_drops_the_stopped_processs_points_from_tensorboards_files_by_each_tags_axis(tmp_path):
+    """What TensorBoard shows after a resume from step 4 (tokens 400, 4 MFLOPs) of a process that logged
+    up to step 6: one point a step, each tag cut on its own axis; a file with damage before its end is
+    left byte for byte; a torn last record goes."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mode.loggers import EVENT_GLOB, drop_events_after
+
+    tb = tmp_path / "tb"
+    w = SummaryWriter(str(tb))
+    w.add_text("config", "yaml", 0)
+    for step in range(1, 7):  # the stopped process
+        w.add_scalar("train/loss", 10.0 - step, step)
+        w.add_scalar("train/loss_vs_tokens", 10.0 - step, 100 * step)
+        w.add_scalar("train/loss_vs_mflops", 10.0 - step, step)  # 1 MFLOP a step
+    w.close()
+    (old,) = tb.glob(EVENT_GLOB)
+    with open(old, "ab") as f:
+        f.write(b"\x05\x00\x00")  # a kill mid-write
+    drop_events_after(tb, 4, 400, 4)
+    got = _tb_points(tb)
+    assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in got["train/loss_vs_tokens"]] == [100, 200, 300, 400]  # not cut at step 4 = 4 tokens
+    assert [s for s, _ in got["train/loss_vs_mflops"]] == [1, 2, 3, 4]
+    assert got["train/loss"][-1][1] == 6.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb))
+    ea.Reload()
+    assert ea.Tags()["tensors"] == ["config/text_summary"]  # step 0's text kept
+    assert old.read_bytes()[-3:] != b"\x05\x00\x00"
+    before = old.read_bytes()
+    drop_events_after(tb, 4, 400, 4)  # nothing past: the file is not rewritten
+    assert old.read_bytes() == before
+    damaged = bytearray(before)
+    damaged[40] ^= 0xFF  # a record in the middle fails its CRC
+    old.write_bytes(bytes(damaged))
+    drop_events_after(tb, 2, 200, 2)
+    assert old.read_bytes() == bytes(damaged)  # left for `mode analyze` to read around and name
+    drop_events_after(tb, -1, -1, -1)  # a restart before the first checkpoint: nothing of the old process stays
+    assert old.read_bytes() == bytes(damaged)
+    old.write_bytes(before)
+    drop_events_after(tb, -1, -1, -1)
+    assert _tb_points(tb) == {}

@@ -1318,6 +1318,16 @@ CKPT_RUN = [*TINY, "train.max_steps=8", "train.log_every=3", "train.eval_every=0
             "checkpoint.keep=3", "optim.warmup_steps=2"]
 
 
+def tensorboard_steps(run_dir, tag: str) -> list[int]:
+    """The steps of `tag` as TensorBoard itself loads them (its EventAccumulator over tb/: the view
+    a researcher opens), duplicates included."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()
+    return [e.step for e in ea.Scalars(tag)]
+
+
 def train_1t(*args, **kw):
     """mode train with one thread: runs compared bit for bit must sum in the same order."""
     return mode_cli("train", "--config", CFG, *args, threads=1, **kw)
@@ -1356,6 +1366,12 @@ def test_fallback_checkpoint_losses_equal_an_uninterrupted_run(tmp_path, how, st
     logged = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert len(logged) == len([r for r in rows if "train/loss" in r]) and logged == pytest.approx(a, rel=1e-6), rows
     assert [r["step"] for r in json.loads((d / "run_info.json").read_text())["resumes"]] == [4]
+    # Bug caught: TensorBoard itself showed the stopped process's step-6 points beside the resumed run's
+    # (two points at step 6, on the tokens and MFLOPs axes too): the resume rewrites its event files
+    for tag in ("train/loss", "train/loss_vs_tokens", "train/loss_vs_mflops"):
+        steps = tensorboard_steps(d, tag)
+        assert len(steps) == 3 and len(set(steps)) == 3, (tag, steps)
+    assert tensorboard_steps(d, "train/loss") == [3, 6, 8]
 
 
 @pytest.mark.slow
@@ -1375,6 +1391,7 @@ def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path, sto
     assert [r["step"] for r in rows if "train/loss" in r] == [3], rows
     assert [r["step"] for r in json.loads((d / "run_info.json").read_text())["resumes"]] == [0]
     assert [p.step for p in load_run_log(d).scalars["train/loss"]] == [3]
+    assert tensorboard_steps(d, "train/loss") == [3]  # TensorBoard's own view: the dead process's 6, 8 gone
     train_1t(*CKPT_RUN, f"run.dir={d}")  # and on to the end: one row per logged step, the reference's
     rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
     logged = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
