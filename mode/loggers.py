@@ -91,14 +91,16 @@ def _framed(payload: bytes) -> bytes:
     return head + struct.pack("<I", masked_crc32c(head)) + payload + struct.pack("<I", masked_crc32c(payload))
 
 
-def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int) -> None:
+def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int, since: float = 0.0) -> None:
     """On resume from `step` (`tokens` and `mflops` seen there): the points the stopped process logged
     past its last checkpoint are not the run's; TensorBoard would show them beside the resumed run's,
     two points a step. Each event file holding such points is rewritten without them (atomically),
     by each tag's own axis: the step, or for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen
     (TensorBoard's purge, a SessionLog.START at a step, would drop every point of those axes). A torn
     last record (a kill mid-write) goes too; a file with damaged records before its end is left as it
-    is (`mode analyze` names it and reads around the damage)."""
+    is (`mode analyze` names it and reads around the damage). Files last written before `since` (the
+    checkpoint resumed from was written then, and every point past it after) are not read: the CRC
+    checks read ~6 MB/s in Python, and a long run's earlier files hold nothing to drop."""
     from google.protobuf.message import DecodeError
     from tensorboard.compat.proto import event_pb2
 
@@ -108,6 +110,8 @@ def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int) -> None
         return at > (tokens if tag.endswith("_vs_tokens") else mflops if tag.endswith("_vs_mflops") else step)
 
     for path in sorted(Path(tb_dir).glob(EVENT_GLOB)):
+        if path.stat().st_mtime < since:
+            continue
         damage: list[tuple[int, int]] = []
         kept, dropped = [], 0
         for record in event_records(path, damage):
@@ -134,10 +138,11 @@ class Loggers:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
     def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resumed_step: int | None = None,
-                 resumed_seen: dict | None = None):
+                 resumed_seen: dict | None = None, since: float = 0.0):
         """resumed_step: None for a new run, else the step this start continues the run from (0: a run
         stopped before its first checkpoint starts over and logs from step 0 again); resumed_seen: the
-        `train/tokens_seen` and `train/flops_seen` there (the other step axes of TensorBoard's tags)."""
+        `train/tokens_seen` and `train/flops_seen` there (the other step axes of TensorBoard's tags);
+        since: when that checkpoint was written (drop_events_after)."""
         self.enabled, self.tb, self.wandb, self.jsonl, self.run_dir = enabled, None, None, None, run_dir
         if not enabled:
             return
@@ -146,7 +151,7 @@ class Loggers:
             if resumed_seen is not None and (run_dir / "tb").is_dir():
                 drop_events_after(run_dir / "tb", *((resumed_step, int(resumed_seen["train/tokens_seen"]),
                                                      int(resumed_seen["train/flops_seen"] / 1e6))
-                                                    if resumed_step else (-1, -1, -1)))
+                                                    if resumed_step else (-1, -1, -1)), since=since)
         from torch.utils.tensorboard import SummaryWriter
 
         quiet_tensorboard_writer_thread()

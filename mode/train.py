@@ -339,7 +339,8 @@ class Trainer:
                 (self.run_dir / rundir.LOCK).unlink(missing_ok=True)  # another run's
                 rundir.remove_made(made)
             raise
-        self.log = Loggers(cfg, self.run_dir, self.rank == 0, None if saved is None else self.step, self.resumed)
+        since = (self.resume_from / ckpt.MANIFEST).stat().st_mtime if self.resume_from else 0.0
+        self.log = Loggers(cfg, self.run_dir, self.rank == 0, None if saved is None else self.step, self.resumed, since)
         self._log_start(cfg, saved)
 
     def _build(self, cfg: Config, saved: dict | None) -> None:

@@ -662,6 +662,8 @@ MUTANTS = [
      'at > (tokens if tag.endswith("_vs_tokens")', 'at > (step if tag.endswith("_vs_tokens")', ["tests/test_logging.py"]),
     ("a file with damaged records rewritten on resume (its readable points after the damage lost)", "mode/loggers.py",
      "if dropped and not damage:", "if dropped:", ["tests/test_logging.py"]),
+    ("event files written after the resumed checkpoint skipped (the stopped process's points stay)", "mode/loggers.py",
+     "if path.stat().st_mtime < since:", "if path.stat().st_mtime >= since:", ["tests/test_logging.py"]),
     ("a checkpoint's other config refused only by the workers (after DeepSpeed started)", "mode/train.py",
      "if (trained := newest_record(cfg, ckpt.CONFIG)) and", "if False and (trained := newest_record(cfg, ckpt.CONFIG)) and",
      ["tests/test_data.py"]),

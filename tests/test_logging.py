@@ -978,6 +978,8 @@ def test_a_resume_drops_the_stopped_processs_points_from_tensorboards_files_by_e
     before = old.read_bytes()
     drop_events_after(tb, 4, 400, 4)  # nothing past: the file is not rewritten
     assert old.read_bytes() == before
+    drop_events_after(tb, 2, 200, 2, since=old.stat().st_mtime + 1)  # last written before the checkpoint
+    assert old.read_bytes() == before
     damaged = bytearray(before)
     damaged[40] ^= 0xFF  # a record in the middle fails its CRC
     old.write_bytes(bytes(damaged))
