@@ -11,7 +11,8 @@ file without a word. Merge rules for resumed runs:
   last checkpoint, never trained by the run that goes on): dropped. The position is the step, or
   for `*_vs_tokens` / `*_vs_mflops` the tokens or MFLOPs seen, their step axes. The trainer also
   rewrites the event files without them when it resumes (mode.loggers.drop_events_after), so that
-  TensorBoard's own view has none either; runs resumed before it did still hold them;
+  TensorBoard's own view has none either (after TensorBoard restarts); files it leaves (damaged
+  before their end, mtimes reset by a copy) and runs resumed before it did still hold them;
 - per (tag, step) the point with the latest wall time wins (ties: the later file / later
   record): re-logged steps of runs written without a START;
 - a half-written or damaged last record (a run killed mid-write) ends the file silently; a

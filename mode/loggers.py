@@ -100,15 +100,20 @@ def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int, since: 
     last record (a kill mid-write) goes too; a file with damaged records before its end is left as it
     is (`mode analyze` names it and reads around the damage). Files last written before `since` (the
     checkpoint resumed from was written then, and every point past it after) are not read: the CRC
-    checks read ~6 MB/s in Python, and a long run's earlier files hold nothing to drop."""
+    checks read ~6 MB/s in Python, and a long run's earlier files hold nothing to drop; and a point
+    written before `since` is never dropped (its axis past the cut or not: a FLOPs count that a code
+    change moved must not delete the run's own points). The rewrite goes through run.dir/.tb_rewrite.tmp,
+    outside tb/ (TensorBoard reads any file named *tfevents* there); one a kill left is removed first."""
     from google.protobuf.message import DecodeError
     from tensorboard.compat.proto import event_pb2
 
-    from mode.rundir import write_atomic
+    from mode.rundir import TB_REWRITE, write_atomic
 
     def past(tag: str, at: int) -> bool:
         return at > (tokens if tag.endswith("_vs_tokens") else mflops if tag.endswith("_vs_mflops") else step)
 
+    tmp = Path(tb_dir).parent / TB_REWRITE
+    tmp.unlink(missing_ok=True)
     for path in sorted(Path(tb_dir).glob(EVENT_GLOB)):
         if path.stat().st_mtime < since:
             continue
@@ -121,7 +126,7 @@ def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int, since: 
                 kept.append(record)
                 continue
             values = event.summary.value if event.HasField("summary") else []
-            keep = [v for v in values if not past(v.tag, event.step)]
+            keep = [v for v in values if not (past(v.tag, event.step) and event.wall_time >= since)]
             if len(keep) != len(values):
                 dropped += len(values) - len(keep)
                 if not keep:
@@ -131,7 +136,7 @@ def drop_events_after(tb_dir: Path, step: int, tokens: int, mflops: int, since: 
                 record = event.SerializeToString()
             kept.append(record)
         if dropped and not damage:
-            write_atomic(path, b"".join(_framed(r) for r in kept))
+            write_atomic(path, b"".join(_framed(r) for r in kept), tmp)
 
 
 class Loggers:

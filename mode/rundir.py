@@ -34,11 +34,13 @@ from mode.checkpoint import CHECKPOINTS, checkpoints_dir, complete_checkpoints, 
 from mode.config import ConfigError, refuse_blank, user_path
 
 LOCK = "LOCK"
+TB_REWRITE = ".tb_rewrite.tmp"
 # Everything a run writes at its top level. A branch that adds an artefact adds its name here.
 ARTEFACTS = {"config.yaml", "run_info.json", "DONE", "tb", CHECKPOINTS, "routing.pt", "deepspeed_env", LOCK,
              "metrics.jsonl", "wandb", "wandb_id", "eval", "slurm",  # loggers, `mode eval` results, SLURM logs
              "report",  # `mode analyze RUN_DIR`'s default output: analysing a run must leave it resumable
-             ".config.yaml.tmp", ".run_info.json.tmp", ".metrics.jsonl.tmp"}  # write_atomic's, left by a crash mid-write
+             ".config.yaml.tmp", ".run_info.json.tmp", ".metrics.jsonl.tmp",  # write_atomic's, left by a crash mid-write
+             TB_REWRITE}  # mode.loggers.drop_events_after's (not in tb/: TensorBoard reads any *tfevents* file there)
 # (deepspeed_env: launch/run.py wrote DeepSpeed's env file into run.dir before it used a temporary
 # directory; runs started then still hold one and must stay resumable)
 # Entries only a run (never a user) writes: a directory with one of them (and nothing foreign) is a run.
@@ -58,10 +60,10 @@ REPORT = "report"
 KEPT_BY_FRESH = (REPORT, "eval", "wandb")
 
 
-def write_atomic(path: Path, text: str | bytes) -> None:
+def write_atomic(path: Path, text: str | bytes, tmp: Path | None = None) -> None:
     """Replace `path` whole or not at all (a crash mid-write of config.yaml would leave the run
-    unresumable): write `.<name>.tmp` beside it, fsync, rename over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    unresumable): write `tmp` (default `.<name>.tmp` beside it), fsync, rename over it."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)

@@ -945,11 +945,15 @@ def _tb_points(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_a_resume_drops_the_stopped_processs_points_from_tensorboards_files_by_each_tags_axis(tmp_path):
-    """What TensorBoard shows after a resume from step 4 (tokens 400, 4 MFLOPs) of a process that logged
+    """What TensorBoard shows after a resume from step 4 (tokens 400, 28 MFLOPs) of a process that logged
     up to step 6: one point a step, each tag cut on its own axis; a file with damage before its end is
-    left byte for byte; a torn last record goes."""
+    left byte for byte; a torn last record goes; a point written before the checkpoint stays."""
+    import os
+    import time
+
     from torch.utils.tensorboard import SummaryWriter
 
+    from mode import rundir
     from mode.loggers import EVENT_GLOB, drop_events_after
 
     tb = tmp_path / "tb"
@@ -958,16 +962,25 @@ def test_a_resume_drops_the_stopped_processs_points_from_tensorboards_files_by_e
     for step in range(1, 7):  # the stopped process
         w.add_scalar("train/loss", 10.0 - step, step)
         w.add_scalar("train/loss_vs_tokens", 10.0 - step, 100 * step)
-        w.add_scalar("train/loss_vs_mflops", 10.0 - step, step)  # 1 MFLOP a step
+        w.add_scalar("train/loss_vs_mflops", 10.0 - step, 7 * step)  # 7 MFLOPs a step
     w.close()
     (old,) = tb.glob(EVENT_GLOB)
     with open(old, "ab") as f:
         f.write(b"\x05\x00\x00")  # a kill mid-write
-    drop_events_after(tb, 4, 400, 4)
+    before = old.read_bytes()
+    # written before the checkpoint resumed from (file touched later): nothing is the stopped process's
+    os.utime(old, (time.time() + 100, time.time() + 100))
+    drop_events_after(tb, 4, 400, 28, since=time.time() + 50)
+    assert old.read_bytes() == before
+    (tmp_path / rundir.TB_REWRITE).write_bytes(before)  # a rewrite a kill interrupted
+    (tmp_path / "run_info.json").write_text('{"world_size": 1, "forward_flops_per_token": 1, "tokens_per_step": 1}')
+    assert rundir.is_mode_run(tmp_path)  # still a run (resumable), and TensorBoard does not read it
+    drop_events_after(tb, 4, 400, 28)
+    assert not (tmp_path / rundir.TB_REWRITE).exists()
     got = _tb_points(tb)
     assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4]
     assert [s for s, _ in got["train/loss_vs_tokens"]] == [100, 200, 300, 400]  # not cut at step 4 = 4 tokens
-    assert [s for s, _ in got["train/loss_vs_mflops"]] == [1, 2, 3, 4]
+    assert [s for s, _ in got["train/loss_vs_mflops"]] == [7, 14, 21, 28]
     assert got["train/loss"][-1][1] == 6.0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -976,14 +989,14 @@ def test_a_resume_drops_the_stopped_processs_points_from_tensorboards_files_by_e
     assert ea.Tags()["tensors"] == ["config/text_summary"]  # step 0's text kept
     assert old.read_bytes()[-3:] != b"\x05\x00\x00"
     before = old.read_bytes()
-    drop_events_after(tb, 4, 400, 4)  # nothing past: the file is not rewritten
+    drop_events_after(tb, 4, 400, 28)  # nothing past: the file is not rewritten
     assert old.read_bytes() == before
-    drop_events_after(tb, 2, 200, 2, since=old.stat().st_mtime + 1)  # last written before the checkpoint
+    drop_events_after(tb, 2, 200, 14, since=old.stat().st_mtime + 1)  # last written before the checkpoint
     assert old.read_bytes() == before
     damaged = bytearray(before)
     damaged[40] ^= 0xFF  # a record in the middle fails its CRC
     old.write_bytes(bytes(damaged))
-    drop_events_after(tb, 2, 200, 2)
+    drop_events_after(tb, 2, 200, 14)
     assert old.read_bytes() == bytes(damaged)  # left for `mode analyze` to read around and name
     drop_events_after(tb, -1, -1, -1)  # a restart before the first checkpoint: nothing of the old process stays
     assert old.read_bytes() == bytes(damaged)
