@@ -81,6 +81,28 @@ def timeit_interleaved(fns, reps: int, warmup: int = 1) -> list[float]:
     return [min(t_) for t_ in ts]
 
 
+def routed_steps(dense, inner_t, x_BSD, gy_BSD, cap: float):
+    """(step_mod, step_inner, k): forward + backward of a MoD block at capacity `cap` around `dense` (the
+    same inner block as the dense step: only the routing differs), and of the wrapped block alone
+    (`inner_t`, dense as timed) on B x k gathered tokens, the floor the routing overhead sits on."""
+    B, S, D = x_BSD.shape
+    pos_BS = torch.arange(S).expand(B, S)
+    mod = timed(MoDBlock(dense, ModConfig(layers="every", capacity=cap, causal="predictor"), D, 0))
+
+    def step_mod():
+        y = x_BSD + mod(x_BSD, Ctx(pos_BS))
+        torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
+
+    k = capacity_k(cap, S)
+    xk_BKD, gk_BKD = torch.randn(B, k, D, requires_grad=True), torch.randn(B, k, D)
+    pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
+
+    def step_inner():
+        inner_t(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
+
+    return step_mod, step_inner, k
+
+
 def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(0.125, 0.25, 0.5), reps=5):
     cfg = ModelConfig(d_model=D, n_heads=H, d_ff=F, max_seq_len=max(seqs))
     torch.manual_seed(0)
@@ -98,21 +120,7 @@ def bench_blocks(D=512, H=8, F=2048, tokens=4096, seqs=(512, 1024, 2048), caps=(
             y.backward(gy_BSD)
 
         for c in caps:
-            # The same inner block: only the routing differs.
-            mod = timed(MoDBlock(dense, ModConfig(layers="every", capacity=c, causal="predictor"), D, 0))
-
-            def step_mod():
-                y = x_BSD + mod(x_BSD, Ctx(pos_BS))
-                torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
-
-            # The wrapped block alone on B x k tokens: the floor the routing overhead sits on.
-            k = capacity_k(c, S)
-            xk_BKD, gk_BKD = torch.randn(B, k, D, requires_grad=True), torch.randn(B, k, D)
-            pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
-
-            def step_inner():
-                inner_t(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
-
+            step_mod, step_inner, k = routed_steps(dense, inner_t, x_BSD, gy_BSD, c)
             t_dense, t_mod, t_inner = timeit_interleaved([step_dense, step_mod, step_inner], reps)
             limit = block_flops(S, D, F) / block_flops(S, D, F, k)
             limit_causal = block_flops(S, D, F, causal=True) / block_flops(S, D, F, k, causal=True)
@@ -128,20 +136,9 @@ def profile_mod(D, H, F, S, cap, tokens, rows=25) -> str:
     cfg = ModelConfig(d_model=D, n_heads=H, d_ff=F, max_seq_len=S)
     torch.manual_seed(0)
     dense = DenseBlock(cfg)
-    mod = timed(MoDBlock(dense, ModConfig(layers="every", capacity=cap, causal="predictor"), D, 0))
-    dense = timed(dense)
-    B, k = max(1, tokens // S), capacity_k(cap, S)
-    x_BSD, gy_BSD, pos_BS = torch.randn(B, S, D, requires_grad=True), torch.randn(B, S, D), torch.arange(S).expand(B, S)
-    xk_BKD, gk_BKD = torch.randn(B, k, D, requires_grad=True), torch.randn(B, k, D)
-    pos_BK = torch.randperm(S)[:k].sort().values.expand(B, k)
-
-    def step_mod():
-        y = x_BSD + mod(x_BSD, Ctx(pos_BS))
-        torch.autograd.backward([y, mod.aux_loss], [gy_BSD, None])
-
-    def step_inner():
-        dense(xk_BKD, Ctx(pos_BK)).backward(gk_BKD)
-
+    B = max(1, tokens // S)
+    x_BSD, gy_BSD = torch.randn(B, S, D, requires_grad=True), torch.randn(B, S, D)
+    step_mod, step_inner, k = routed_steps(dense, timed(dense), x_BSD, gy_BSD, cap)
     cuda = torch.get_default_device().type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     out = []
@@ -163,8 +160,7 @@ def profile_mod(D, H, F, S, cap, tokens, rows=25) -> str:
                       f"{sum(e.count for e in dev_ops) // 3} device ops/step" if cuda else ""))
         print(f"{name}: {summary}", file=sys.stderr)
         out.append(f"### {name}: S {S}, B {B}, capacity {cap}, k {k}: {summary}\n")
-        out.append(ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                             row_limit=rows))
+        out.append(ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows))
     return "\n".join(out)
 
 

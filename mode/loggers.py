@@ -154,9 +154,9 @@ class Loggers:
         if resumed_step is not None:
             drop_rows_after(run_dir / "metrics.jsonl", resumed_step if resumed_step else -1)
             if resumed_seen is not None and (run_dir / "tb").is_dir():
-                drop_events_after(run_dir / "tb", *((resumed_step, int(resumed_seen["train/tokens_seen"]),
-                                                     int(resumed_seen["train/flops_seen"] / 1e6))
-                                                    if resumed_step else (-1, -1, -1)), since=since)
+                # each axis's cut: the step, tokens, MFLOPs (as _write logs them); a restart at 0 keeps nothing
+                cut = (resumed_step, int(resumed_seen["train/tokens_seen"]), int(resumed_seen["train/flops_seen"] / 1e6))
+                drop_events_after(run_dir / "tb", *(cut if resumed_step else (-1, -1, -1)), since=since)
         from torch.utils.tensorboard import SummaryWriter
 
         quiet_tensorboard_writer_thread()
