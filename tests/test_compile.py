@@ -29,6 +29,7 @@ D, H, S, B, V = 32, 2, 16, 2, 64
 # (_local_scalar_dense backs .item()/.tolist()/bool()/int()) or to size their output.
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique2", "unique_dim",
             "unique_consecutive", "equal", "is_nonzero", "repeat_interleave"}
+BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
 class _AtenSyncs(TorchDispatchMode):
@@ -41,6 +42,11 @@ class _AtenSyncs(TorchDispatchMode):
         # repeat_interleave sizes its output from the repeats unless output_size is given.
         if name.split(".")[0] in SYNC_OPS and not (kwargs or {}).get("output_size"):
             self.seen.append(name)
+        # x[mask] and x[mask] = v reach dispatch as index / index_put with a boolean index, which a
+        # GPU turns into nonzero (a sync); on CPU no nonzero is dispatched, so look at the indices.
+        elif name.split(".")[0] in BOOL_INDEX_OPS and any(
+                i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            self.seen.append(f"{name}[bool mask]")
         return func(*args, **(kwargs or {}))
 
 
@@ -305,6 +311,20 @@ def test_compiled_training_does_not_recompile_after_warm_up(tmp_path):
     r = subprocess.run([PY, str(script), json.dumps({"config": "configs/tiny/mode_staged.yaml", "overrides": overrides})],
                        cwd=ROOT, env=dict(env(1), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "NO RECOMPILES" in r.stdout, r.stderr[-3000:]
+
+
+def test_boolean_mask_indexing_is_seen_as_a_sync():
+    """Reading or writing through a boolean mask sizes its work by the mask's count: a sync on a
+    GPU, though on CPU it dispatches no nonzero. An integer index (a fixed-size gather) is not one."""
+    y = torch.randn(8, requires_grad=True)
+    for read in (lambda: y[y > 0], lambda: y.detach().clone().__setitem__(y.detach() > 0, 0.0),
+                 lambda: y[y > 0].sum().backward()):
+        with HostSyncs() as hs:
+            read()
+        assert any("bool mask" in s for s in hs.seen), hs.seen
+    with HostSyncs() as hs:
+        (y[torch.tensor([1, 3])].sum() + y.detach().clone().index_put_((torch.tensor([2]),), torch.tensor(0.0)).sum()).backward()
+    assert hs.seen == [], hs.seen
 
 
 @pytest.mark.parametrize("what", ["exact_groups", "dropless", "causal_eval"])
