@@ -57,7 +57,10 @@ def make_step(layers: str, precision: str, compiled: bool, dev, D, H, F, L, S, B
         eng.compile_blocks(model)
     for m in master:
         m.requires_grad_(True)
-    opt = torch.optim.AdamW(master, lr=1e-4, foreach=True)
+        if precision == "bf16":
+            m.grad = torch.zeros_like(m)  # fp32 gradient buffers the bf16 gradients are cast into
+    # torch's fused AdamW, as `mode train` runs it (mode.engine.fused_adamw)
+    opt = torch.optim.AdamW(master, lr=1e-4, fused=eng.fused_adamw(model) or None)
     params = list(model.parameters())
     ids_BS = torch.randint(0, V, (B, S + 1), device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -68,18 +71,16 @@ def make_step(layers: str, precision: str, compiled: bool, dev, D, H, F, L, S, B
         (o.loss + o.aux_loss).backward()
         sync()
         t_model = time.perf_counter()
-        # fp32 update, bf16 copy back (DeepSpeed's bf16 optimizer); foreach: few kernel launches
-        grads = [p.grad for p in params]
+        # fp32 update, bf16 copy back (DeepSpeed's bf16 optimizer): one casting copy each way
         if precision == "bf16":
-            grads = torch._foreach_add(torch._foreach_mul(master, 0.0), grads)  # fp32 copies
-        for m, g in zip(master, grads):
-            m.grad = g
+            torch._foreach_copy_([m.grad for m in master], [p.grad for p in params])
         opt.step()
-        opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         if precision == "bf16":
             with torch.no_grad():
                 torch._foreach_copy_(params, master)
+        else:
+            opt.zero_grad(set_to_none=True)
         sync()
         return t_model
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import os
 import signal
@@ -24,6 +25,21 @@ from pathlib import Path
 LAUNCHER_MARKS = ("deepspeed", "torch.distributed.run", "torchrun", "launch.run", "mode.cli compare",
                   "mode compare", "mode.compare")
 PR_SET_PDEATHSIG = 1
+
+
+# flock's errors where a filesystem has none: Lustre mounted without -o flock, NFS without lockd
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process of this host with this pid is running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _stat(pid: int) -> tuple[int, str] | None:

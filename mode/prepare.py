@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import errno
 import glob
 import hashlib
 import itertools
@@ -41,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from mode.config import ConfigError, DataConfig, is_int, looks_local
+from mode.lifeline import NO_FLOCK, alive
 
 MANIFEST = "manifest.json"
 MARKER = ".mode-prepare"  # proves a directory was created by this module (safe to delete)
@@ -507,7 +507,7 @@ def remove_dead_scratch() -> None:
     pattern = re.compile(re.escape(f"{SCRATCH}{host}-") + r"(\d+)-\w+")
     for d in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
         m = pattern.fullmatch(d.name)
-        if not m or _alive(int(m.group(1))) or d.is_symlink() or not d.is_dir():
+        if not m or alive(int(m.group(1))) or d.is_symlink() or not d.is_dir():
             continue
         try:
             if all(BATCH_FILE.fullmatch(f.name) and f.is_file() and not f.is_symlink() for f in d.iterdir()):
@@ -830,9 +830,6 @@ def check_manifest(cfg: DataConfig, path: Path, manifest: dict, tok) -> None:
         raise damaged(cfg.prepared_dir, path, "; ".join(bad[:3]) + more)
 
 
-NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # e.g. Lustre mounted without -o flock, NFS without lockd
-
-
 @contextlib.contextmanager
 def _lock(path: Path):
     """Exclusive lock on `<dir>.lock`: one process prepares, the others wait for it. The file holds
@@ -883,7 +880,7 @@ def _exclusive_file_lock(path: Path, created: bool):
         except FileNotFoundError:
             holder = ""
         pid, _, host = holder.strip().partition(" ")
-        if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 if path.read_text() == holder:  # still the dead holder's (narrows the race of two takers)
                     path.unlink()
@@ -901,16 +898,6 @@ def _exclusive_file_lock(path: Path, created: bool):
         yield
     finally:
         path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 # Every name a prepare writes into its directory (and its `.tmp`): anything else is a user's.

@@ -15,12 +15,12 @@ entry that stops the outer run from resuming).
 One writer: the live job holds an exclusive `flock` on `<dir>/LOCK` (rank 0 of a trainer, or
 `mode compare` on its runs_dir). The kernel drops the lock when the holder dies, however it dies;
 the file keeps the holder's pid/host/command so a second writer can be told who holds it, and so
-the next holder can say it took over from a dead one.
+the next holder can say it took over from a dead one. Where the filesystem has no flock (Lustre
+mounted without -o flock, NFS without lockd) that record is the lock itself (`DirLock`).
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -28,10 +28,12 @@ import shutil
 import socket
 import sys
 import time
+from fcntl import LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, flock  # by name: a test replaces this module's flock only
 from pathlib import Path
 
 from mode.checkpoint import CHECKPOINTS, checkpoints_dir, complete_checkpoints, unlisted_files
 from mode.config import ConfigError, refuse_blank, user_path
+from mode.lifeline import NO_FLOCK, alive
 
 LOCK = "LOCK"
 TB_REWRITE = ".tb_rewrite.tmp"
@@ -296,6 +298,22 @@ def describe_holder(h: dict) -> str:
     return f"pid {h.get('pid')} on {h.get('host')} (since {when}: {h.get('cmd', '?')})"
 
 
+def _in_use(key: str, d: Path, holder: dict, flocked: bool = True) -> ConfigError:
+    hint = "" if flocked else (f" (this filesystem has no flock, so a holder on another host cannot be seen to have "
+                               f"died: if it is gone, empty {d / LOCK})")
+    return ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(holder)}; "
+                                f"wait for it to finish or stop it{hint}")
+
+
+def _held(holder: dict) -> bool:
+    """Without flock: whether a holder's record stands for a live process. One on this host is asked
+    the kernel; one on another host is taken as live (this host cannot tell)."""
+    if not holder:
+        return False  # released cleanly: emptied
+    pid = holder.get("pid")
+    return holder.get("host") != socket.gethostname() or not isinstance(pid, int) or alive(pid)
+
+
 def check_lock(d: Path, key: str = "run.dir") -> None:
     """Refuse if a live process holds d/LOCK (probe only: nothing is created). The probe takes a
     shared lock: probes (every rank of a start runs one at once) never block each other, and the
@@ -305,11 +323,16 @@ def check_lock(d: Path, key: str = "run.dir") -> None:
         return
     with open(path, "rb") as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            flock(f, LOCK_SH | LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(_holder(path))}; "
-                              "wait for it to finish or stop it") from None
-        fcntl.flock(f, fcntl.LOCK_UN)
+            raise _in_use(key, d, _holder(path)) from None
+        except OSError as e:
+            if e.errno not in NO_FLOCK:
+                raise
+            if _held(_holder(path)):
+                raise _in_use(key, d, _holder(path), flocked=False) from None
+            return
+        flock(f, LOCK_UN)
 
 
 class DirLock:
@@ -334,28 +357,53 @@ class DirLock:
                     d.rmdir()  # only while empty: a start refused by the disk leaves no run.dir
             raise OSError(e.errno, e.strerror, str(self.path)) from e  # names the place
 
+    SETTLE_S = 0.5  # without flock: how long two starters' writes get to land before each reads back
+
     def _take(self, d: Path, key: str) -> None:
         for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8, None):  # a probe's shared lock lasts microseconds: retry briefly
             try:
-                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flock(self.f, LOCK_EX | LOCK_NB)
                 break
             except BlockingIOError:
                 if wait_s is not None:
                     time.sleep(wait_s)
+            except OSError as e:
+                if e.errno not in NO_FLOCK:
+                    raise
+                return self._take_without_flock(d, key)
         else:
             self.f.close()
-            raise ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(_holder(self.path))}; "
-                              "wait for it to finish or stop it") from None
+            raise _in_use(key, d, _holder(self.path)) from None
+        self._write_record(d)
+
+    def _take_without_flock(self, d: Path, key: str) -> None:
+        """No flock here: the holder's record in LOCK is the lock. A live holder's record refuses (one
+        on another host always does: its death cannot be seen from here), a dead holder's of this
+        host is taken over. Two starters that both found it free both write; the later write wins,
+        and the other sees that when it reads the record back."""
+        if _held(_holder(self.path)):
+            self.f.close()
+            raise _in_use(key, d, _holder(self.path), flocked=False) from None
+        mine = self._write_record(d)
+        time.sleep(self.SETTLE_S)
+        now = _holder(self.path)
+        if now != mine:
+            self.f.close()  # not release(): the record is the winner's
+            raise _in_use(key, d, now, flocked=False)
+
+    def _write_record(self, d: Path) -> dict:
         previous = _holder(self.path)
         if previous:  # released cleanly, the file is empty: its holder died
             print(f"{d}: taking over the lock of {describe_holder(previous)}, which is no longer running",
                   file=sys.stderr)
         self.f.seek(0)
         self.f.truncate()
-        data = memoryview(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                                      "cmd": " ".join(sys.argv)[:300]}).encode())
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                  "cmd": " ".join(sys.argv)[:300]}
+        data = memoryview(json.dumps(record).encode())
         while data:  # a raw write may write part (a disk filling up): the rest raises its OSError
             data = data[self.f.write(data):]
+        return record
 
     def release(self) -> None:
         if getattr(self, "f", None) is not None and not self.f.closed:

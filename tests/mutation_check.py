@@ -258,7 +258,7 @@ MUTANTS = [
     ("checkpoints without config.yaml resume under any config", "mode/train.py",
      "        if n:  # resuming would load them", "        if False:  # resuming would load them", CKPT),
     ("lock probes take the lock exclusively", "mode/rundir.py",
-     "fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)", "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", CKPT),
+     "flock(f, LOCK_SH | LOCK_NB)", "flock(f, LOCK_EX | LOCK_NB)", CKPT),
     ("a requeued fresh job deletes what it trained", "mode/train.py",
      '.get("slurm_job_id") == job', '.get("slurm_job_id") == job and False', CKPT),
     # Session 11: sampling (issue #11 audit)
@@ -430,7 +430,7 @@ MUTANTS = [
     ("a sampling-time key (inference capacity) refused like a model key", "mode/generate.py",
      'keep=lambda k: k.startswith("model.") and k not in SAMPLING_FREE)', 'keep=lambda k: k.startswith("model."))', GEN),
     ("a running prepare's scratch removed as a dead one's", "mode/prepare.py",
-     "if not m or _alive(int(m.group(1))) or", "if not m or", ["tests/test_data.py"]),
+     "if not m or alive(int(m.group(1))) or", "if not m or", ["tests/test_data.py"]),
     ("a user's file inside a dead prepare's scratch deleted with it", "mode/prepare.py",
      "if all(BATCH_FILE.fullmatch(f.name) and f.is_file()", "if all(f.is_file()", ["tests/test_data.py"]),
     ("the report names an empty step when no training step was logged", "analysis/report.py",
@@ -679,6 +679,17 @@ MUTANTS = [
      'if False and _file_problem(d, name, json.loads((d / MANIFEST).read_text())["files"][name]):', ["tests/test_data.py"]),
     ("a finished run's records refuse the start (nothing to resume)", "mode/train.py",
      "if newest is None or done_at(cfg, ckpt.step_of(newest)):", "if newest is None:", ["tests/test_data.py"]),
+    # Session 29: run directories on filesystems without flock
+    ("without flock, a starter whose record was overwritten starts beside the winner", "mode/rundir.py",
+     "        if now != mine:", "        if False:", ["tests/test_reliability.py"]),
+    ("without flock, another host's holder is judged by a local pid", "mode/rundir.py",
+     'return holder.get("host") != socket.gethostname() or not isinstance(pid, int) or alive(pid)',
+     "return not isinstance(pid, int) or alive(pid)", ["tests/test_reliability.py"]),
+    ("without flock, a dead holder of this host keeps the run locked", "mode/rundir.py",
+     'return holder.get("host") != socket.gethostname() or not isinstance(pid, int) or alive(pid)',
+     "return True", ["tests/test_reliability.py"]),
+    ("without flock, the probe never refuses", "mode/rundir.py",
+     "            if _held(_holder(path)):", "            if False:", ["tests/test_reliability.py"]),
 ]
 
 

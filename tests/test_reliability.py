@@ -501,6 +501,73 @@ def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
     lock.release()
 
 
+def _no_flock(monkeypatch):
+    """A filesystem without flock (Lustre mounted without -o flock): flock raises ENOSYS."""
+    import errno
+
+    from mode import rundir
+
+    def flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(rundir, "flock", flock)
+    monkeypatch.setattr(rundir.DirLock, "SETTLE_S", 0.01)
+
+
+def test_without_flock_the_holders_record_is_the_lock(tmp_path, monkeypatch, capsys):
+    """Bug caught: on a filesystem without flock every start failed with `OSError: [Errno 38]
+    Function not implemented`, naming neither LOCK nor the cause. Now the record in LOCK is the
+    lock: a live holder refuses, a released (emptied) one or a dead one of this host is taken, and a
+    record of another host refuses with the file to empty if that holder is gone."""
+    import socket
+
+    from mode import rundir
+    from mode.config import ConfigError
+
+    _no_flock(monkeypatch)
+    d = tmp_path / "run"
+    lock = rundir.DirLock(d)
+    assert json.loads((d / "LOCK").read_text())["pid"] == os.getpid()
+    for second in (rundir.check_lock, rundir.DirLock):
+        with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()} on .*has no flock"):
+            second(d)
+    lock.release()
+    assert (d / "LOCK").read_text() == ""
+    rundir.check_lock(d)
+    rundir.DirLock(d).release()
+
+    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": socket.gethostname(), "started": 0, "cmd": "x"}))
+    rundir.check_lock(d)  # a dead process of this host
+    lock = rundir.DirLock(d)
+    assert "taking over the lock of pid 999999" in capsys.readouterr().err
+    lock.release()
+
+    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": "node7", "started": 0, "cmd": "x"}))
+    for second in (rundir.check_lock, rundir.DirLock):
+        with pytest.raises(ConfigError, match=f"pid 999999 on node7 .*if it is gone, empty {d / 'LOCK'}"):
+            second(d)
+
+
+def test_without_flock_a_starter_whose_record_was_overwritten_backs_off(tmp_path, monkeypatch):
+    """Two starters found LOCK free at once and both wrote: the one whose record did not survive
+    refuses and leaves the winner's record in place."""
+    from mode import rundir
+    from mode.config import ConfigError
+
+    _no_flock(monkeypatch)
+    d = tmp_path / "run"
+    d.mkdir()
+    other = {"pid": os.getppid(), "host": "node7", "started": 1.0, "cmd": "mode train"}
+
+    def other_writes_meanwhile(s):
+        (d / "LOCK").write_text(json.dumps(other))
+
+    monkeypatch.setattr(rundir.time, "sleep", other_writes_meanwhile)
+    with pytest.raises(ConfigError, match=f"in use by pid {os.getppid()} on node7"):
+        rundir.DirLock(d)
+    assert json.loads((d / "LOCK").read_text()) == other
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Verified checkpoints (the verification and fallback on real torch files; training below).
 
