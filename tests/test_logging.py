@@ -219,7 +219,8 @@ def test_a_run_on_a_terminal_shows_its_evaluations_above_the_bar(tmp_path):
 def test_readme_documents_every_model_metric():
     """Every per-layer tag any preset's forward emits is in README's "What gets logged", decoupled
     routing's included: its `mod_attn/`, `mod_mlp/` tags by the README's rule that they repeat the
-    `mod/` rows (bug caught: a decoupled preset failed this test, which read only table rows)."""
+    `mod/` rows (bug caught: a decoupled preset failed this test, which read only table rows); and
+    every per-layer row the README documents is emitted by one of them (no stale rows)."""
     from mode.config import load_config
     from mode.model import build_model
 
@@ -229,6 +230,8 @@ def test_readme_documents_every_model_metric():
     docs |= {t.replace("mod/", f"{p}/", 1) for t in docs if t.startswith("mod/") for p in ("mod_attn", "mod_mlp")}
     cases = [(p, []) for p in sorted((ROOT / "configs/tiny").glob("*.yaml"))]
     cases.append((ROOT / "configs/tiny/mod.yaml", ["model.mod.decoupled=true", "model.mod.attn_capacity=0.5"]))
+    cases.append((ROOT / "configs/tiny/mod.yaml", ["model.mod.causal=threshold"]))
+    emitted = set()
     for preset, over in cases:
         cfg = load_config(preset, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=16", *over])
         torch.manual_seed(0)
@@ -238,6 +241,9 @@ def test_readme_documents_every_model_metric():
         assert out.metrics or preset.name == "dense.yaml", preset.name
         missing = {generic(k) for k in out.metrics} - docs
         assert not missing, f"{preset.name} {over}: undocumented tags {missing}"
+        emitted |= {generic(k) for k in out.metrics}
+    stale = {t for t in documented_tags() if "/layerN/" in t} - emitted
+    assert not stale, f"README documents per-layer tags no model emits: {stale}"
 
 
 def test_continue_command_of_a_multi_process_run_keeps_its_world_size(monkeypatch):
@@ -439,6 +445,9 @@ def test_config_goes_to_tensorboard_and_every_tag_is_documented(two_proc_run):
     assert "_hparams" in text
     undocumented = {generic(t) for t in tb_tags(run)} - documented_tags()
     assert not undocumented, undocumented
+    # and no stale row: every run-level tag the README lists is logged (per-layer rows: the fast test)
+    stale = {t for t in documented_tags() if "/layerN/" not in t} - {generic(t) for t in tb_tags(run)}
+    assert not stale, stale
 
 
 @pytest.mark.slow
