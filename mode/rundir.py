@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mode.checkpoint import CHECKPOINTS, checkpoints_dir, complete_checkpoints, unlisted_files
 from mode.config import ConfigError, refuse_blank, user_path
-from mode.lifeline import NO_FLOCK, alive
+from mode.lifeline import NO_FLOCK, alive, start_time
 
 LOCK = "LOCK"
 TB_REWRITE = ".tb_rewrite.tmp"
@@ -298,20 +298,56 @@ def describe_holder(h: dict) -> str:
     return f"pid {h.get('pid')} on {h.get('host')} (since {when}: {h.get('cmd', '?')})"
 
 
-def _in_use(key: str, d: Path, holder: dict, flocked: bool = True) -> ConfigError:
-    hint = "" if flocked else (f" (this filesystem has no flock, so a holder on another host cannot be seen to have "
-                               f"died: if it is gone, empty {d / LOCK})")
-    return ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(holder)}; "
+def _in_use(key: str, d: Path, holder: dict | None, flocked: bool = True) -> ConfigError:
+    hint = ""
+    if holder is None:
+        hint = f" (this filesystem has no flock and the record is unreadable: if no start is running, empty {d / LOCK})"
+    elif not flocked and holder.get("host") != socket.gethostname():
+        hint = (f" (this filesystem has no flock, so a holder on another host cannot be seen to have died: "
+                f"if it is gone, empty {d / LOCK})")
+    return ConfigError(key, msg=f"{key}={str(d)!r} is in use by {describe_holder(holder or {})}; "
                                 f"wait for it to finish or stop it{hint}")
 
 
-def _held(holder: dict) -> bool:
-    """Without flock: whether a holder's record stands for a live process. One on this host is asked
-    the kernel; one on another host is taken as live (this host cannot tell)."""
+def _record(path: Path) -> dict | None:
+    """The holder's record where there is no flock: {} once released (emptied), None when it cannot
+    be read or parsed (a torn write, an NFS error): that may be a live holder's, so it holds."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        return None
+    try:
+        h = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    return h if isinstance(h, dict) else None
+
+
+def _slurm_restarts() -> int:
+    n = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return int(n) if n.isdigit() else 0
+
+
+def _held(holder: dict | None) -> bool:
+    """Without flock: whether a holder's record stands for a live process. One of this host is asked
+    the kernel (pid and start time: pids are reused); one of an earlier run of this SLURM job (a
+    requeue, often on another node) is dead, as SLURM ended it first; any other on another host is
+    taken as live (its death cannot be seen from here)."""
+    if holder is None:
+        return True
     if not holder:
         return False  # released cleanly: emptied
-    pid = holder.get("pid")
-    return holder.get("host") != socket.gethostname() or not isinstance(pid, int) or alive(pid)
+    pid, job = holder.get("pid"), os.environ.get("SLURM_JOB_ID")
+    if job and holder.get("slurm_job") == job and isinstance(holder.get("slurm_restart"), int) \
+            and holder["slurm_restart"] < _slurm_restarts():
+        return False
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return True
+    if pid == os.getpid():
+        return False  # our own pid in an old record (a restarted container): not a live holder
+    return alive(pid) and holder.get("pid_start") in (None, start_time(pid))
 
 
 def check_lock(d: Path, key: str = "run.dir") -> None:
@@ -329,8 +365,8 @@ def check_lock(d: Path, key: str = "run.dir") -> None:
         except OSError as e:
             if e.errno not in NO_FLOCK:
                 raise
-            if _held(_holder(path)):
-                raise _in_use(key, d, _holder(path), flocked=False) from None
+            if _held(holder := _record(path)):
+                raise _in_use(key, d, holder, flocked=False) from None
             return
         flock(f, LOCK_UN)
 
@@ -344,13 +380,16 @@ class DirLock:
         self.path = d / LOCK
         made_lock = not self.path.exists()
         # unbuffered: a write a full disk refuses raises here, and nothing is left to flush at close
-        # (a buffered file raised again from close() in __del__: a traceback after the error line)
-        self.f = open(self.path, "a+b", buffering=0)
+        # (a buffered file raised again from close() in __del__: a traceback after the error line);
+        # not O_APPEND: the record is written from offset 0
+        self.f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666), "r+b", buffering=0)
+        self.flocked = True
         try:
             self._take(d, key)
         except OSError as e:
             self.f.close()
-            if made_lock:
+            # without flock another starter's record may be there by now: only ours goes, or nothing
+            if made_lock and (self.flocked or _record(self.path) in ({}, None)):
                 self.path.unlink(missing_ok=True)
             if made_dir:
                 with contextlib.suppress(OSError):
@@ -370,6 +409,7 @@ class DirLock:
             except OSError as e:
                 if e.errno not in NO_FLOCK:
                     raise
+                self.flocked = False
                 return self._take_without_flock(d, key)
         else:
             self.f.close()
@@ -380,13 +420,13 @@ class DirLock:
         """No flock here: the holder's record in LOCK is the lock. A live holder's record refuses (one
         on another host always does: its death cannot be seen from here), a dead holder's of this
         host is taken over. Two starters that both found it free both write; the later write wins,
-        and the other sees that when it reads the record back."""
-        if _held(_holder(self.path)):
+        and the other sees that when it reads the record back (a torn mix of both: neither starts)."""
+        if _held(holder := _record(self.path)):
             self.f.close()
-            raise _in_use(key, d, _holder(self.path), flocked=False) from None
+            raise _in_use(key, d, holder, flocked=False) from None
         mine = self._write_record(d)
         time.sleep(self.SETTLE_S)
-        now = _holder(self.path)
+        now = _record(self.path)
         if now != mine:
             self.f.close()  # not release(): the record is the winner's
             raise _in_use(key, d, now, flocked=False)
@@ -398,17 +438,21 @@ class DirLock:
                   file=sys.stderr)
         self.f.seek(0)
         self.f.truncate()
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                  "cmd": " ".join(sys.argv)[:300]}
+        record = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "host": socket.gethostname(),
+                  "started": time.time(), "cmd": " ".join(sys.argv)[:300]}
+        if os.environ.get("SLURM_JOB_ID"):
+            record.update(slurm_job=os.environ["SLURM_JOB_ID"], slurm_restart=_slurm_restarts())
         data = memoryview(json.dumps(record).encode())
         while data:  # a raw write may write part (a disk filling up): the rest raises its OSError
             data = data[self.f.write(data):]
+        os.fsync(self.f.fileno())  # NFS shows other hosts a write once it is flushed
         return record
 
     def release(self) -> None:
         if getattr(self, "f", None) is not None and not self.f.closed:
             try:
                 self.f.truncate(0)
+                os.fsync(self.f.fileno())
             except OSError:  # a full or read-only disk: the holder's line stays, its flock goes below
                 pass
             self.f.close()  # closing the descriptor drops the flock

@@ -517,35 +517,61 @@ def _no_flock(monkeypatch):
 def test_without_flock_the_holders_record_is_the_lock(tmp_path, monkeypatch, capsys):
     """Bug caught: on a filesystem without flock every start failed with `OSError: [Errno 38]
     Function not implemented`, naming neither LOCK nor the cause. Now the record in LOCK is the
-    lock: a live holder refuses, a released (emptied) one or a dead one of this host is taken, and a
-    record of another host refuses with the file to empty if that holder is gone."""
+    lock: a live holder refuses; a released (emptied) record, a dead or pid-reused holder of this
+    host, and an earlier run of this SLURM job (a requeue) are taken over; a record of another host,
+    or one that cannot be parsed, refuses with the file to empty if no holder is left."""
     import socket
 
     from mode import rundir
     from mode.config import ConfigError
+    from mode.lifeline import start_time
 
     _no_flock(monkeypatch)
-    d = tmp_path / "run"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    d, host = tmp_path / "run", socket.gethostname()
     lock = rundir.DirLock(d)
-    assert json.loads((d / "LOCK").read_text())["pid"] == os.getpid()
-    for second in (rundir.check_lock, rundir.DirLock):
-        with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()} on .*has no flock"):
-            second(d)
+    rec = json.loads((d / "LOCK").read_text())
+    assert rec["pid"] == os.getpid() and rec["pid_start"] == start_time(os.getpid()) and rec["host"] == host
     lock.release()
     assert (d / "LOCK").read_text() == ""
     rundir.check_lock(d)
-    rundir.DirLock(d).release()
 
-    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": socket.gethostname(), "started": 0, "cmd": "x"}))
-    rundir.check_lock(d)  # a dead process of this host
-    lock = rundir.DirLock(d)
-    assert "taking over the lock of pid 999999" in capsys.readouterr().err
-    lock.release()
+    def holder(**kw):
+        (d / "LOCK").write_text(json.dumps({"pid": os.getppid(), "pid_start": start_time(os.getppid()),
+                                            "host": host, "started": 0, "cmd": "mode train", **kw}))
 
-    (d / "LOCK").write_text(json.dumps({"pid": 999999, "host": "node7", "started": 0, "cmd": "x"}))
+    holder()  # a live process of this host (our parent)
+    for second in (rundir.check_lock, rundir.DirLock):
+        with pytest.raises(ConfigError, match=f"in use by pid {os.getppid()} on {host} .*stop it$"):
+            second(d)
+    for stale in ({"pid": 999999}, {"pid_start": "0"},  # dead; pid reused; our own (a restarted container)
+                  {"pid": os.getpid(), "pid_start": start_time(os.getpid())}):
+        holder(**stale)
+        rundir.check_lock(d)
+        lock = rundir.DirLock(d)
+        assert "taking over the lock of pid" in capsys.readouterr().err
+        lock.release()
+
+    holder(host="node7", pid=999999)
     for second in (rundir.check_lock, rundir.DirLock):
         with pytest.raises(ConfigError, match=f"pid 999999 on node7 .*if it is gone, empty {d / 'LOCK'}"):
             second(d)
+    # a requeued SLURM job (same id, higher restart count) takes its own earlier record, on any node
+    holder(host="node7", pid=999999, slurm_job="77", slurm_restart=0)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(ConfigError, match="pid 999999 on node7"):
+        rundir.check_lock(d)  # the same run of the job: still someone else's
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    rundir.check_lock(d)
+    rundir.DirLock(d).release()
+    monkeypatch.delenv("SLURM_JOB_ID")
+
+    (d / "LOCK").write_text('{"pid": 12')  # torn: may be a live holder's
+    for second in (rundir.check_lock, rundir.DirLock):
+        with pytest.raises(ConfigError, match=f"record is unreadable: if no start is running, empty {d / 'LOCK'}"):
+            second(d)
+    assert (d / "LOCK").read_text() == '{"pid": 12'
 
 
 def test_without_flock_a_starter_whose_record_was_overwritten_backs_off(tmp_path, monkeypatch):
