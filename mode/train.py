@@ -557,7 +557,7 @@ class Trainer:
         t = self.cfg.train
         if skipped and (t.nonfinite == "stop" or self.consecutive_bad >= t.max_consecutive_nonfinite):
             bad = (getattr(self.opt, "bad_params", None)
-                   or ["(not recorded: with ZeRO or bf16, DeepSpeed checks the gradients itself)"])
+                   or ["(not recorded: at ZeRO 1/2 DeepSpeed checks the gradients itself)"])
             stats = "; ".join(f"{n}: |w|={p.detach().float().norm():.3g}"
                               for n, p in self.model.named_parameters() if n.endswith("weight") and p.dim() >= 2)
             raise NonFiniteError(f"non-finite loss or gradient at step {self.step} "
