@@ -8,7 +8,10 @@ import contextlib
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
+
+QUIET_RANK_WAIT_S = 30.0  # how long a node's other ranks leave its first rank to report a config error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -95,8 +98,12 @@ def guarded(fn, argv: list[str], broken_pipe: str | None = None) -> int:
             raise
         line, code = one_line(e)
         line = with_own_config(line, argv)
-        if code != 2 or os.environ.get("LOCAL_RANK") in (None, "", "0"):
+        if code == 2 and os.environ.get("LOCAL_RANK") not in (None, "", "0"):
             # A config error is the same on every rank of a node (same arguments, same files): only
-            # the node's first rank says it, instead of one identical line per rank.
-            print(line, file=sys.stderr, flush=True)
+            # the node's first rank says it, instead of one identical line per rank. The others wait
+            # for it: a rank that exited first had its launcher kill the first before its line was
+            # out (a 2-rank start under load showed only "exits with return code = 2"). Still alive
+            # after the wait, the first rank did not fail alike: this rank says it.
+            time.sleep(QUIET_RANK_WAIT_S)
+        print(line, file=sys.stderr, flush=True)
         return code

@@ -708,6 +708,8 @@ MUTANTS = [
      ["tests/test_bf16.py"]),
     ("bf16 ZeRO 0 step: the loss-scale iteration not counted (a resumed checkpoint differs)", "mode/engine.py",
      "    self._update_scale(self.overflow)  #", "    pass  #", ["tests/test_bf16.py"]),
+    ("a node's other ranks exit at once on a config error (the launcher kills the first before its line)",
+     "mode/errors.py", "            time.sleep(QUIET_RANK_WAIT_S)", "            return code", ["tests/test_reliability.py"]),
     ("bf16 ZeRO 0 step: DeepSpeed's tensor-by-tensor step kept", "mode/engine.py",
      "        opt.step = types.MethodType(_bf16_step, opt)", "        pass", ["tests/test_bf16.py"]),
 ]
