@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 import os
 import socket
+import types
 from pathlib import Path
 
 import torch
