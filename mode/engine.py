@@ -484,7 +484,9 @@ def _bf16_step(self, closure=None) -> bool:
     self._global_grad_norm = guard._global_grad_norm
     for b in hi:
         b.grad = None
-    torch._foreach_copy_(lo, hi)
+    for dt in {a.dtype for a in lo}:  # one destination dtype per call: CUDA's fast path once mishandled a mix
+        pairs = [(a, b) for a, b in zip(lo, hi) if a.dtype == dt]
+        torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
     return False
 
 

@@ -702,7 +702,7 @@ MUTANTS = [
      "            if _held(holder := _record(path)):", "            if False:", ["tests/test_reliability.py"]),
     # Session 29: DeepSpeed's bf16 ZeRO 0 step in foreach kernels
     ("bf16 ZeRO 0 step: the masters not copied back to the bf16 weights", "mode/engine.py",
-     "    torch._foreach_copy_(lo, hi)\n    return False", "    return False", ["tests/test_bf16.py"]),
+     "        torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])", "        pass", ["tests/test_bf16.py"]),
     ("bf16 ZeRO 0 step: a non-finite step not reported to DeepSpeed", "mode/engine.py",
      "self.overflow, self.bad_params = guard.overflow, guard.bad_params", "self.overflow, self.bad_params = False, []",
      ["tests/test_bf16.py"]),
