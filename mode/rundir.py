@@ -284,13 +284,6 @@ def empty_run_dir(d: Path) -> None:
 # One writer per directory.
 
 
-def _holder(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-
-
 def describe_holder(h: dict) -> str:
     if not h:
         return "another process"
@@ -323,6 +316,11 @@ def _record(path: Path) -> dict | None:
     except ValueError:
         return None
     return h if isinstance(h, dict) else None
+
+
+def _holder(path: Path) -> dict:
+    """The holder's record for a message ({} when there is none, or none that parses)."""
+    return _record(path) or {}
 
 
 def _slurm_restarts() -> int:

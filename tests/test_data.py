@@ -899,13 +899,9 @@ def test_unreachable_hub_name_with_a_config_is_one_line_naming_the_source(tmp_pa
 
 
 def _no_flock(monkeypatch):
-    """A filesystem without flock (Lustre mounted without -o flock): flock raises ENOSYS."""
-    import errno
+    from tests.util import no_flock
 
-    def flock(fd, op):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(prep, "flock", flock)  # this module's only: `datasets`' own file locks keep working
+    no_flock(monkeypatch, prep)
 
 
 @pytest.mark.parametrize("fs", ["flock", "no_flock"])

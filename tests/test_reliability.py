@@ -502,15 +502,10 @@ def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
 
 
 def _no_flock(monkeypatch):
-    """A filesystem without flock (Lustre mounted without -o flock): flock raises ENOSYS."""
-    import errno
-
     from mode import rundir
+    from tests.util import no_flock
 
-    def flock(fd, op):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(rundir, "flock", flock)
+    no_flock(monkeypatch, rundir)
     monkeypatch.setattr(rundir.DirLock, "SETTLE_S", 0.01)
 
 

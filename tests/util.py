@@ -25,6 +25,17 @@ def env(threads: int = 1) -> dict:
     return e
 
 
+def no_flock(monkeypatch, module) -> None:
+    """A filesystem without flock (Lustre mounted without -o flock): `module`'s flock raises ENOSYS
+    (that module's only: `datasets`' own file locks keep working)."""
+    import errno
+
+    def flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(module, "flock", flock)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
