@@ -300,11 +300,13 @@ def test_guarded_adamw_refuses_a_non_finite_step_and_names_the_parameter():
     assert all(p.grad is None for p in ps) and all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
-def test_the_predictors_train_apart_clipped_by_their_own_norm():
+@pytest.mark.parametrize("scale", [3.0, 3e20], ids=["plain", "huge_but_finite"])
+def test_the_predictors_train_apart_clipped_by_their_own_norm(scale):
     """Bug caught: in the engine's optimizer the causal predictors' gradients counted in the norm the
     LM's gradients are clipped by, so predictor_loss_weight changed the LM's update (end to end:
     tests/test_mod_train.py). Here: the engine's groups hold every parameter but the predictors', and
-    PredictorAdamW's step equals a float64 clip_grad_norm_ + AdamW over the predictors alone."""
+    PredictorAdamW's step equals a float64 clip_grad_norm_ + AdamW over the predictors alone, also
+    where an fp32 sum of squares overflows (norm > 1.8e19: such a step was skipped as non-finite)."""
     import torch
 
     from mode.config import load_config
@@ -320,7 +322,7 @@ def test_the_predictors_train_apart_clipped_by_their_own_norm():
     assert {id(p) for p in grouped} | {id(p) for p in pred} == {id(p) for p in model.parameters()}
     g = torch.Generator().manual_seed(0)
     for p in pred:
-        p.grad = 3 * torch.randn(p.shape, generator=g)
+        p.grad = scale * torch.randn(p.shape, generator=g)
     ref = [p.detach().double().clone() for p in pred]
     for r, p in zip(ref, pred):
         r.grad = p.grad.double()
