@@ -19,7 +19,7 @@ import torch
 import mode.prepare as prep
 from mode.config import ConfigError, DataConfig, load_config
 from mode.data import ByteTokenizer, DataModule, check_data, permute, stdlib_files
-from tests.util import PY, ROOT, TINY, env, mode_cli, orphan_semaphores, process_group, scalars
+from tests.util import PY, ROOT, TINY, env, mode_cli, no_flock, orphan_semaphores, process_group, scalars
 
 DOCS = [f"document number {i} " * (5 + i) for i in range(30)]
 
@@ -760,7 +760,7 @@ def test_concurrent_prepares_build_once_and_the_others_wait(corpus, tmp_path, mo
     import threading
 
     if fs == "no_flock":
-        _no_flock(monkeypatch)
+        no_flock(monkeypatch, prep)
 
     calls, real = [], prep._write_shards
 
@@ -898,16 +898,10 @@ def test_unreachable_hub_name_with_a_config_is_one_line_naming_the_source(tmp_pa
     assert not (tmp_path / "prepared").exists()  # nothing left: the lock file, and the directories it made
 
 
-def _no_flock(monkeypatch):
-    from tests.util import no_flock
-
-    no_flock(monkeypatch, prep)
-
-
 @pytest.mark.parametrize("fs", ["flock", "no_flock"])
 def test_a_failed_prepare_leaves_no_lock_file(tmp_path, monkeypatch, fs):
     if fs == "no_flock":
-        _no_flock(monkeypatch)
+        no_flock(monkeypatch, prep)
     d = tmp_path / "c"
     d.mkdir()
     (d / "docs.jsonl").write_text(json.dumps({"body": "x"}))
@@ -931,7 +925,7 @@ def test_without_flock_a_lock_file_of_a_dead_process_is_taken_over_and_a_live_on
     import socket
     import threading
 
-    _no_flock(monkeypatch)
+    no_flock(monkeypatch, prep)
     cfg = dcfg(tmp_path, source=str(corpus / "docs.parquet"))
     out = prep.prepared_path(cfg)
     lock = out.parent / f"{out.name}.lock"
